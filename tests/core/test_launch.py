@@ -1,0 +1,34 @@
+"""Ranks start with exactly the environment torchrun gives its workers."""
+
+from __future__ import annotations
+
+from core.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
+
+
+def test_ranks_are_contiguous_per_node() -> None:
+    assert assign_ranks(["a", "b", "c"], 2) == {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+
+
+def test_rank_env_is_torchruns_with_a_fresh_store_namespace_per_generation() -> None:
+    launch = NodeLaunch(
+        run_id="r/1",
+        node="b",
+        generation=3,
+        ranks=[2, 3],
+        world_size=4,
+        rendezvous=Endpoint(host="10.0.0.1", port=29500),
+        entrypoint=["python", "x.py"],
+        env={"STAYALIVE_RUN_ID": "r/1"},
+    )
+    env = rank_env(launch, local_rank=1)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+    }
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29500")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+    assert env["STAYALIVE_RUN_ID"] == "r/1"

@@ -1,0 +1,89 @@
+"""Run spec validation: every bad input is rejected with a message naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from core.spec import CheckpointInterval, RunSpec, parse_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def valid() -> dict[str, object]:
+    return {
+        "name": "gpt",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "entrypoint": ["python", "-m", "training.train"],
+        "target_step": 100,
+        "checkpoint": {"root": "/tmp/ckpt"},
+    }
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_examples_are_valid(example: Path) -> None:
+    RunSpec.model_validate(json.loads(example.read_text()))
+
+
+INVALID = [
+    ("missing field", {"target_step": None, "name": "gpt"}, "name", None),
+    ("world size vs nodes", {"world_size": 6}, "", "set world_size to 4"),
+    ("entrypoint as a string", {"entrypoint": "python -m training.train"}, "entrypoint", "argv list"),
+    ("unknown fault kind", {"faults": [{"kind": "meteor", "rank": 0}]}, "faults.0", "meteor"),
+    (
+        "fault on a rank that does not exist",
+        {"faults": [{"kind": "crash", "rank": 9, "at_step": 5}]},
+        "",
+        "ranks are 0..3",
+    ),
+    ("fault after the target", {"faults": [{"kind": "crash", "rank": 0, "at_step": 500}]}, "", "never fires"),
+    ("typo in a field", {"chekpoint": {"root": "/x"}}, "chekpoint", None),
+    ("node listed twice", {"nodes": ["n1", "n1"]}, "nodes", "list each node once"),
+    ("spare also active", {"spare_nodes": ["n2"]}, "", "both nodes and spare_nodes"),
+    ("bad name", {"name": "GPT run!"}, "name", "lowercase"),
+    ("bad interval", {"checkpoint": {"root": "/x", "interval": "often"}}, "checkpoint.interval", "'auto'"),
+    ("negative duration", {"health": {"step_timeout": "-5s"}}, "health.step_timeout", None),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "field", "hint"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_names_the_field_and_the_fix(
+    case: str, change: dict[str, object], field: str, hint: str | None
+) -> None:
+    raw = valid() | change
+    if case == "missing field":
+        del raw["name"]
+    with pytest.raises(ValidationError) as caught:
+        RunSpec.model_validate(raw)
+    errors = caught.value.errors()
+    assert any(".".join(str(p) for p in e["loc"]).startswith(field) for e in errors), errors
+    if hint is not None:
+        assert hint in str(caught.value)
+
+
+def test_hooks_off_needs_no_target_but_allows_no_faults() -> None:
+    plain = valid() | {"hooks": False, "target_step": None}
+    assert RunSpec.model_validate(plain).target_step is None
+    with pytest.raises(ValidationError, match="needs hooks"):
+        RunSpec.model_validate(plain | {"faults": [{"kind": "crash", "rank": 0, "at_step": 5}]})
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"), [("90s", 90.0), ("5m", 300.0), ("1.5h", 5400.0), ("250ms", 0.25), (12, 12.0)]
+)
+def test_durations(raw: object, seconds: float) -> None:
+    assert parse_seconds(raw) == seconds
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind", "value"),
+    [("auto", "auto", None), ("200 steps", "steps", 200), ("1 step", "steps", 1), ("10m", "seconds", 600)],
+)
+def test_checkpoint_intervals(raw: str, kind: str, value: float | None) -> None:
+    interval = CheckpointInterval.parse(raw)
+    assert (interval.kind, interval.value) == (kind, value)

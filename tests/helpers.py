@@ -1,0 +1,104 @@
+"""Helpers for the end-to-end tests: specs, waiting on a run, reading what its processes report."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowHandle
+
+from core.run import RunStatus
+from core.spec import RunSpec
+from core.telemetry import Record, StepReport, Subscribe
+from workflows.run import RunWorkflow
+
+ROOT = Path(__file__).resolve().parent.parent
+NODES = ["n1", "n2", "n3"]
+_ids = itertools.count()
+
+
+def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
+    """4 ranks of the tiny GPT on n1 and n2: a real run that finishes in seconds on two cores."""
+    spec: dict[str, object] = {
+        "name": "tiny",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "spare_nodes": ["n3"],
+        "entrypoint": ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8"],
+        "target_step": 40,
+        "checkpoint": {"root": str(checkpoint_root), "interval": "10 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
+
+
+def workflow_id(prefix: str) -> str:
+    return f"{prefix}-{int(time.time())}-{next(_ids)}"
+
+
+async def start(client: Client, spec: RunSpec, prefix: str) -> WorkflowHandle:
+    return await client.start_workflow(RunWorkflow.run, spec, id=workflow_id(prefix), task_queue="stayalive")
+
+
+async def wait_until(
+    handle: WorkflowHandle, predicate: Callable[[RunStatus], bool], timeout: float = 120.0
+) -> RunStatus:
+    """Poll the run's status query until `predicate(status)` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = await handle.query(RunWorkflow.status_query)
+            if predicate(status):
+                return status
+        except Exception:  # between tasks, or the supervisor is being restarted
+            pass
+        await asyncio.sleep(0.3)
+    raise TimeoutError(f"{handle.id}: condition not reached in {timeout}s")
+
+
+async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[int, int]]:
+    """node → {rank: pid}, from the run_ranks heartbeats (what the UI's pending activities show)."""
+    description = await handle.describe()
+    pids: dict[str, dict[int, int]] = {}
+    for activity in description.raw_description.pending_activities:
+        if activity.activity_type.name == "run_ranks" and activity.heartbeat_details.payloads:
+            details = (await client.data_converter.decode(activity.heartbeat_details.payloads))[0]
+            pids[details["node"]] = {int(rank): int(pid) for rank, pid in details["pids"].items()}
+    return pids
+
+
+async def hub_records(status: RunStatus) -> list[Record]:
+    """Every telemetry record the run's node agents still hold, read the way the run monitor reads them."""
+    records: list[Record] = []
+    for endpoint in status.endpoints:
+        reader, writer = await asyncio.open_connection(endpoint.hub.host, endpoint.hub.port)
+        writer.write(Subscribe(run_id=status.run_id).model_dump_json().encode() + b"\n")
+        await writer.drain()
+        try:
+            while line := await asyncio.wait_for(reader.readline(), timeout=1.0):
+                records.append(Record.model_validate_json(line))
+        except TimeoutError:
+            pass
+        writer.close()
+    return records
+
+
+async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:
+    """Wait until a rank reports `step`, reading a node agent's live telemetry as the run monitor does."""
+    status = await wait_until(handle, lambda s: bool(s.endpoints) and s.generation == 0, timeout=timeout)
+    endpoint = status.endpoints[0]
+    reader, writer = await asyncio.open_connection(endpoint.hub.host, endpoint.hub.port)
+    writer.write(Subscribe(run_id=status.run_id).model_dump_json().encode() + b"\n")
+    await writer.drain()
+    try:
+        async with asyncio.timeout(timeout):
+            while line := await reader.readline():
+                message = Record.model_validate_json(line).message
+                if isinstance(message, StepReport) and message.step >= step:
+                    return message.step
+    finally:
+        writer.close()
+    raise TimeoutError(f"{handle.id}: step {step} not reached")

@@ -1,0 +1,172 @@
+"""The checkpoint format: one directory per checkpoint, one safetensors shard per rank, a manifest.
+
+    <root>/<run>/step-00000400-g1/
+        manifest.json          step, world size, config digest, every shard's size and SHA-256
+        shard-00000.safetensors   rank 0's share of model + optimizer tensors, and rank 0's RNG
+        shard-00001.safetensors   ...
+
+Everything is a tensor or JSON: loading never unpickles, so a checkpoint cannot run code. The
+tensors of the (replicated) model and optimizer are split across ranks by size, so every rank
+writes a share in parallel, and any world size can load the whole state back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that must not be resumed from; the message says why and what to do."""
+
+
+class ShardRecord(BaseModel):
+    file: str
+    rank: int
+    size: int
+    sha256: str
+    tensors: int
+    python_rng: tuple[int, list[int], float | None]  # random.getstate()
+    blocking_s: float
+
+
+class Manifest(BaseModel):
+    format: Literal["stayalive-checkpoint/1"] = "stayalive-checkpoint/1"
+    run_id: str
+    step: int
+    generation: int
+    world_size: int
+    config_digest: str
+    created_at: float
+    samples_consumed: int
+    model: dict[str, int]
+    optimizer_param_groups: list[dict[str, object]]
+    shards: list[ShardRecord]
+    digest: str = ""
+
+    def body_digest(self) -> str:
+        body = self.model_dump(exclude={"digest"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def sealed(self) -> Manifest:
+        return self.model_copy(update={"digest": self.body_digest()})
+
+
+def checkpoint_dirname(step: int, generation: int) -> str:
+    return f"step-{step:08d}-g{generation}"
+
+
+def shard_filename(rank: int) -> str:
+    return f"shard-{rank:05d}.safetensors"
+
+
+def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Tensor name → writing rank: largest first onto the least-loaded rank, the same on every rank."""
+    load = [0] * world_size
+    owner: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += sizes[name]
+    return owner
+
+
+def within_root(root: str | Path, path: str | Path) -> Path:
+    """Resolve `path` and refuse it unless it lies inside `root` (no `..`, no symlink escapes)."""
+    base = Path(root).resolve()
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(base):
+        raise CheckpointError(
+            f"{path} is outside the checkpoint root {base}: resume only from checkpoints this run wrote"
+        )
+    return resolved
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write under a temporary name, fsync, rename: a reader sees the whole file or none of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {MANIFEST}: the write never committed; use an earlier checkpoint")
+    try:
+        manifest = Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise CheckpointError(
+            f"{path} is not a valid manifest ({exc.error_count()} errors): use another checkpoint"
+        ) from None
+    if manifest.digest != manifest.body_digest():
+        raise CheckpointError(f"{path} was edited after it was written (digest mismatch): use another checkpoint")
+    return manifest
+
+
+def verify_shards(directory: Path, manifest: Manifest) -> list[str]:
+    """Every shard present, with the size and SHA-256 the manifest promises. Returns the problems."""
+    problems = []
+    expected = {shard_filename(r) for r in range(manifest.world_size)}
+    if {s.file for s in manifest.shards} != expected:
+        problems.append(f"manifest lists {len(manifest.shards)} shards, expected one per rank of {manifest.world_size}")
+    for shard in manifest.shards:
+        path = directory / shard.file
+        if not path.is_file():
+            problems.append(f"{shard.file} is missing")
+        elif (size := path.stat().st_size) != shard.size:
+            problems.append(f"{shard.file} is {size} bytes, manifest says {shard.size} (truncated or overwritten)")
+        elif sha256_file(path) != shard.sha256:
+            problems.append(f"{shard.file} does not match its SHA-256 (corrupted on storage)")
+    return problems
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(
+            f"{path.name} is not a safetensors shard ({exc}); stayalive never unpickles checkpoint payloads, "
+            "so this file is refused: use another checkpoint"
+        ) from None
+
+
+def load_checkpoint(directory: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Verify, then read every shard into one flat dict of tensors (names keep their shard's rank for RNG)."""
+    manifest = read_manifest(directory)
+    if problems := verify_shards(directory, manifest):
+        raise CheckpointError(f"{directory.name}: " + "; ".join(problems))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in manifest.shards:
+        tensors.update(load_shard(directory / shard.file))
+    return manifest, tensors

