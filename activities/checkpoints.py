@@ -1,27 +1,58 @@
-"""Checkpoint activities on the supervisor: validate what ranks wrote, off the training path."""
+"""Checkpoint activities on the supervisor: validate what ranks wrote, off the training path, and
+delete what retention no longer needs.
+
+`keep_checkpoints` runs alongside a generation: it waits for the next committed checkpoint,
+validates it and returns the verdict (one activity, six history events, per checkpoint).
+`choose_checkpoint` runs before a restart: it finds what the run left on storage that the workflow
+has not judged yet (a checkpoint committed just before the crash, a write that never committed).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
+from datetime import UTC, datetime
+from pathlib import Path
 
 import structlog
 from pydantic import BaseModel
 from temporalio import activity
 
+from activities.telemetry import records
 from core.checkpoints import norm_problem
+from core.launch import NodeEndpoint
 from core.run import CheckpointRecord
-from training.checkpoint import CheckpointError, within_root
+from core.telemetry import CheckpointCommitted
+from training.checkpoint import CheckpointError, checkpoint_order, read_manifest, within_root
 from training.validate import TestLoad
 
 log = structlog.get_logger()
 
 
-class ValidateCheckpoint(BaseModel):
+class KeeperInput(BaseModel):
+    run_id: str
+    generation: int
+    root: str
+    endpoints: list[NodeEndpoint]
+    after: dict[str, int]
+    reference: CheckpointRecord | None  # the newest validated checkpoint: the norm band's anchor
+    delete: list[str]  # checkpoint directories retention dropped
+
+
+class KeeperResult(BaseModel):
+    checkpoint: CheckpointRecord
+    after: dict[str, int]
+    deleted: list[str]
+
+
+class ChooseInput(BaseModel):
     run_id: str
     root: str
-    checkpoint: CheckpointRecord
-    history: list[CheckpointRecord]
+    directory: str  # the run's checkpoint directory
+    generation: int  # the generation about to start
+    known: list[str]  # names (step-…-g…) of the checkpoints the workflow has already judged
+    reference: CheckpointRecord | None
 
 
 class Verdict(BaseModel):
@@ -30,42 +61,131 @@ class Verdict(BaseModel):
     param_norm: float | None = None
 
 
-@activity.defn
-async def validate_checkpoint(request: ValidateCheckpoint) -> Verdict:
-    """All shards present, digests match, a test load in a fresh process, norms within the run's band."""
-    step = request.checkpoint.step
+class _Loader:
+    """The supervisor's test-load process (`python -m training.validate`), started on first use and
+    again whenever it dies; one checkpoint at a time."""
+
+    def __init__(self) -> None:
+        self._process: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+
+    async def test_load(self, directory: Path) -> TestLoad:
+        async with self._lock:
+            if self._process is None or self._process.returncode is not None:
+                self._process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "training.validate",
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                )
+            process = self._process
+            assert process.stdin is not None and process.stdout is not None
+            process.stdin.write(f"{directory}\n".encode())
+            await process.stdin.drain()
+            answer = asyncio.ensure_future(process.stdout.readline())
+            try:
+                while not answer.done():
+                    activity.heartbeat(f"test-loading {directory.name}")
+                    await asyncio.wait([answer], timeout=2.0)
+            except asyncio.CancelledError:
+                process.kill()  # it is mid-load: a fresh one serves the next request
+                raise
+            line = answer.result()
+            if not line:
+                return TestLoad(ok=False, problems=[f"the test load crashed (exit {await process.wait()})"])
+            return TestLoad.model_validate_json(line)
+
+
+_loader = _Loader()
+
+
+async def validate(root: str, path: str, reference: CheckpointRecord | None) -> Verdict:
+    """All shards present, digests match, a test load in another process, norms within the run's band."""
     try:
-        directory = within_root(request.root, request.checkpoint.path)
+        directory = within_root(root, path)
     except CheckpointError as exc:
         return Verdict(validated=False, reason=str(exc))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "training.validate", str(directory), stdout=asyncio.subprocess.PIPE
-    )
-    communicate = asyncio.ensure_future(process.communicate())
-    try:
-        while not communicate.done():
-            activity.heartbeat(f"test-loading step {step}")
-            await asyncio.wait([communicate], timeout=2.0)
-    finally:
-        if process.returncode is None:  # cancelled: do not leave a loader behind
-            process.kill()
-    out, _ = communicate.result()
-    if process.returncode != 0:
-        return Verdict(validated=False, reason=f"test load crashed (exit {process.returncode})")
-    result = TestLoad.model_validate_json(out.splitlines()[-1])
+    result = await _loader.test_load(directory)
     if not result.ok:
-        verdict = Verdict(validated=False, reason="; ".join(result.problems))
-    elif result.param_norm is not None and (problem := norm_problem(result.param_norm, request.history)):
-        verdict = Verdict(validated=False, reason=problem, param_norm=result.param_norm)
-    else:
-        verdict = Verdict(
-            validated=True, reason="shards, digests, test load and norms ok", param_norm=result.param_norm
-        )
-    log.info(
-        "checkpoint validated",
-        run_id=request.run_id,
+        return Verdict(validated=False, reason="; ".join(result.problems))
+    history = [reference] if reference is not None else []
+    if result.param_norm is not None and (problem := norm_problem(result.param_norm, history)):
+        return Verdict(validated=False, reason=problem, param_norm=result.param_norm)
+    return Verdict(validated=True, reason="shards, digests, test load and norms ok", param_norm=result.param_norm)
+
+
+def _delete(root: str, paths: list[str]) -> list[str]:
+    deleted = []
+    for path in paths:
+        try:
+            shutil.rmtree(within_root(root, path))
+            deleted.append(path)
+        except (CheckpointError, FileNotFoundError) as exc:
+            log.warning("retention could not delete", path=path, error=str(exc))
+    return deleted
+
+
+@activity.defn
+async def keep_checkpoints(input: KeeperInput) -> KeeperResult:
+    """Delete what retention dropped; wait for the generation's next checkpoint; validate it."""
+    deleted = _delete(input.root, input.delete)
+    after = dict(input.after)
+    async for record in records(input.run_id, input.endpoints, after, only=["committed"]):
+        if record is None:
+            activity.heartbeat("waiting for the next checkpoint")
+            continue
+        after[record.node] = record.seq
+        message = record.message
+        if isinstance(message, CheckpointCommitted) and message.generation == input.generation:
+            verdict = await validate(input.root, message.path, input.reference)
+            checkpoint = CheckpointRecord(
+                step=message.step,
+                path=message.path,
+                generation=message.generation,
+                blocking_seconds=message.blocking_s,
+                written_at=datetime.now(UTC),
+                **verdict.model_dump(),
+            )
+            log.info("checkpoint judged", run_id=input.run_id, step=message.step, validated=verdict.validated)
+            return KeeperResult(checkpoint=checkpoint, after=after, deleted=deleted)
+    raise AssertionError("the telemetry stream never ends")
+
+
+@activity.defn
+async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
+    """Judge what the run left on storage that the workflow has not: checkpoints committed but never
+    validated (validated now), and writes that never committed (recorded, then deleted)."""
+    directory = within_root(input.root, input.directory)
+    found: list[CheckpointRecord] = []
+    if not directory.is_dir():
+        return found
+    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+        name = entry.name.removeprefix(".").removesuffix(".tmp")
+        if not name.startswith("step-") or name in input.known:
+            continue
+        step, generation = checkpoint_order(name)
+        if entry.name.endswith(".tmp"):
+            if generation < input.generation:
+                reason = "never committed: a writer died before every shard and the manifest were written"
+                found.append(_record(entry, step, generation, Verdict(validated=False, reason=reason)))
+                shutil.rmtree(entry, ignore_errors=True)
+            continue
+        verdict = await validate(input.root, str(entry), input.reference)
+        found.append(_record(entry, step, generation, verdict))
+    return found
+
+
+def _record(path: Path, step: int, generation: int, verdict: Verdict) -> CheckpointRecord:
+    try:
+        blocking = max(s.blocking_s for s in read_manifest(path).shards)
+    except CheckpointError:
+        blocking = 0.0
+    return CheckpointRecord(
         step=step,
-        validated=verdict.validated,
-        reason=verdict.reason,
+        path=str(path),
+        generation=generation,
+        blocking_seconds=blocking,
+        written_at=datetime.fromtimestamp(path.stat().st_mtime, UTC) if path.exists() else datetime.now(UTC),
+        **verdict.model_dump(),
     )
-    return verdict

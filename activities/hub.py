@@ -12,13 +12,28 @@ import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
 
 from core.launch import Endpoint
-from core.telemetry import Command, Hello, RankMessage, Record, StepReport, Subscribe, opening, rank_message
+from core.telemetry import (
+    Command,
+    FileHeader,
+    GetFile,
+    Hello,
+    PutFile,
+    RankMessage,
+    Record,
+    StepReport,
+    Subscribe,
+    opening,
+    rank_message,
+)
+from training.checkpoint import CheckpointError
+from training.memory import memory_path, prune
 
 log = structlog.get_logger()
 
@@ -58,9 +73,10 @@ class RunChannel:
 
 
 class NodeHub:
-    def __init__(self, node: str, host: str, advertise: str | None = None) -> None:
+    def __init__(self, node: str, host: str, memory_dir: Path, advertise: str | None = None) -> None:
         self.node = node
         self.host = host
+        self.memory_dir = memory_dir
         self.advertise = advertise or host
         self.runs: dict[str, RunChannel] = {}
         self._server: asyncio.Server | None = None
@@ -99,9 +115,13 @@ class NodeHub:
             first = opening.validate_json(await reader.readline())
             if isinstance(first, Subscribe):
                 await self._stream(first, reader, writer)
+            elif isinstance(first, PutFile):
+                await self._keep_file(first, reader)
+            elif isinstance(first, GetFile):
+                await self._serve_file(first, writer)
             else:
                 await self._receive(first, reader, writer)
-        except (ConnectionError, ValidationError) as exc:
+        except (ConnectionError, ValidationError, CheckpointError, asyncio.IncompleteReadError) as exc:
             log.warning("hub connection dropped", node=self.node, error=str(exc))
         finally:
             writer.close()
@@ -117,6 +137,31 @@ class NodeHub:
             if channel.ranks.get(hello.rank) is writer:
                 del channel.ranks[hello.rank]
 
+    async def _keep_file(self, put: PutFile, reader: asyncio.StreamReader) -> None:
+        """Keep a replica in this node's host-memory tier (written whole, then renamed into place)."""
+        path = memory_path(self.memory_dir, put.run_id, put.checkpoint, put.file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            remaining = put.size
+            while remaining:
+                chunk = await reader.readexactly(min(remaining, 1 << 22))
+                await asyncio.to_thread(f.write, chunk)
+                remaining -= len(chunk)
+        tmp.rename(path)
+        prune(self.memory_dir, put.run_id)
+
+    async def _serve_file(self, get: GetFile, writer: asyncio.StreamWriter) -> None:
+        path = memory_path(self.memory_dir, get.run_id, get.checkpoint, get.file)
+        size = path.stat().st_size if path.is_file() else -1
+        writer.write(FileHeader(size=size).model_dump_json().encode() + b"\n")
+        if size >= 0:
+            with open(path, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, 1 << 22):
+                    writer.write(chunk)
+                    await writer.drain()
+        await writer.drain()
+
     async def _stream(self, subscribe: Subscribe, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = self.run(subscribe.run_id)
         cursor = subscribe.after
@@ -124,9 +169,13 @@ class NodeHub:
         try:
             while not hung_up.done():
                 if batch := channel.after(cursor):
+                    cursor = batch[-1].seq
+                    if subscribe.only is not None:
+                        batch = [r for r in batch if r.message.t in subscribe.only]
+                    if not batch:
+                        continue
                     writer.write(b"".join(r.model_dump_json().encode() + b"\n" for r in batch))
                     await writer.drain()
-                    cursor = batch[-1].seq
                 else:
                     waiters: list[asyncio.Future[Any]] = [channel.next_arrival(), hung_up]
                     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)

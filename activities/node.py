@@ -8,6 +8,7 @@ them (or the agent dies, and its ranks with it).
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
@@ -106,12 +107,15 @@ class NodeActivities:
                 return RanksFinished(node=self.node, generation=launch.generation, last_step=last_step)
 
     @activity.defn
-    async def stop_ranks(self, run_id: str) -> int:
-        """Stop every rank of the run on this node and close its store; returns how many were running."""
+    async def release_run(self, run_id: str) -> int:
+        """The run is over here: stop its ranks, close its store, free its host memory. Returns ranks stopped."""
         ranks = self.ranks.pop(run_id, [])
         running = sum(r.exit_code is None for r in ranks)
         await stop_ranks(ranks)
         self.stores.pop(run_id, None)
+        self.hub.runs.pop(run_id, None)
+        shutil.rmtree(self.hub.memory_dir / run_id, ignore_errors=True)
+        log.info("run released", run_id=run_id, node=self.node, stopped=running)
         return running
 
     @activity.defn
@@ -126,6 +130,7 @@ class NodeActivities:
             env = rank_env(launch, local_rank) | {
                 "STAYALIVE_AGENT": str(self.hub.endpoint),
                 "STAYALIVE_NODE": self.node,
+                "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
             }
             ranks.append(await start_rank(rank, launch.generation, argv, env, run_dir / f"rank-{rank}.log"))
         self.ranks.setdefault(launch.run_id, []).extend(ranks)

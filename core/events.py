@@ -45,6 +45,7 @@ class FirstStep(BaseModel):
     kind: Literal["first_step"] = "first_step"
     step: int
     at: float
+    restored_from: Literal["memory", "storage"] | None = None
     progress: Progress
     after: dict[str, int]
 

@@ -22,13 +22,32 @@ class _Fault(BaseModel):
 
 
 class Crash(_Fault):
-    """The rank's process exits abruptly (as on an OOM kill or a GPU fell off the bus)."""
+    """The rank's process exits abruptly (as on an OOM kill or a GPU fell off the bus): in the middle
+    of a step, or while its checkpoint writer is halfway through the shard of `at_step`."""
 
     kind: Literal["crash"] = "crash"
     rank: int = Field(ge=0)
     at_step: int = Field(ge=1)
+    during: Literal["step", "checkpoint_write"] = "step"
     exit_code: int = Field(default=137, ge=1, le=255)
 
+    def __str__(self) -> str:
+        where = "" if self.during == "step" else " while writing its checkpoint"
+        return f"crash of rank {self.rank} at step {self.at_step}{where}"
 
-# One member for now; each fault kind joins this union as its detector lands.
-Fault = Annotated[Union[Crash], Field(discriminator="kind")]  # noqa: UP007
+
+class CorruptCheckpoint(_Fault):
+    """Storage damages the checkpoint of `at_step` right after it is committed (bit rot, a torn write,
+    a lost file), before validation sees it."""
+
+    kind: Literal["corrupt_checkpoint"] = "corrupt_checkpoint"
+    at_step: int = Field(ge=1)
+    damage: Literal["truncate_shard", "flip_byte", "delete_shard", "delete_manifest", "edit_manifest"]
+    shard: int = Field(default=0, ge=0)
+
+    def __str__(self) -> str:
+        return f"{self.damage.replace('_', ' ')} in the checkpoint of step {self.at_step}"
+
+
+# Each fault kind joins this union as the detector that catches it lands.
+Fault = Annotated[Union[Crash, CorruptCheckpoint], Field(discriminator="kind")]  # noqa: UP007

@@ -6,9 +6,15 @@ unchanged), plus `STAYALIVE_*` variables that `training.supervision` reads.
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel
 
 from core.spec import RunSpec
+
+# A rank that cannot load the checkpoint it was told to resume from exits with this code, so the
+# workflow marks that checkpoint unusable and resumes from an earlier one.
+EXIT_CHECKPOINT_UNUSABLE = 3
 
 
 class Endpoint(BaseModel):
@@ -50,9 +56,11 @@ def supervision_env(
     generation: int,
     resume_from: str | None,
     checkpoint_seconds: float | None,
+    endpoints: list[NodeEndpoint],
 ) -> dict[str, str]:
     """The STAYALIVE_* variables of one generation (the node agent adds its own address)."""
     env = {
+        "STAYALIVE_HUBS": json.dumps([str(e.hub) for e in endpoints]),
         "STAYALIVE_RUN_ID": run_id,
         "STAYALIVE_GENERATION": str(generation),
         "STAYALIVE_TARGET_STEP": str(spec.target_step or 0),

@@ -46,7 +46,13 @@ class Interruption(BaseModel):
     resumed_from: int | None = Field(default=None, description="Checkpoint step the next generation loaded.")
     lost_steps: int | None = None
     restart_seconds: float | None = Field(default=None, description="Detection to first completed step.")
+    restored_from: str | None = Field(default=None, description="'memory' (host-memory tier) or 'storage'.")
     detail: str = ""
+
+    def resumed_at(self, step: int) -> None:
+        self.resumed_from = step
+        if self.step is not None:
+            self.lost_steps = max(0, self.step - step)
 
     def line(self) -> str:
         where = f"node {self.node}" + (f" rank {self.rank}" if self.rank is not None else "")
@@ -62,6 +68,7 @@ class CheckpointRecord(BaseModel):
     validated: bool | None = None  # None: validation still running
     reason: str = ""
     param_norm: float | None = None
+    deleted: bool = False  # dropped by retention (its record stays)
 
 
 class Progress(BaseModel):
@@ -87,7 +94,8 @@ class RunStatus(BaseModel):
     first_step_at: datetime | None = None
     finished_at: datetime | None = None
     progress: Progress = Progress()
-    telemetry_cursor: dict[str, int] = {}
+    telemetry_cursor: dict[str, int] = {}  # the run monitor's, per node
+    checkpoint_cursor: dict[str, int] = {}  # the checkpoint keeper's, per node
     endpoints: list[NodeEndpoint] = []  # the current generation's node agents
     interruptions: list[Interruption] = []
     checkpoints: list[CheckpointRecord] = []

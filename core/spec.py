@@ -98,6 +98,11 @@ class CheckpointSpec(_Spec):
         return self
 
 
+class SdcSpec(_Spec):
+    # Every N steps one rank replays its micro-batch and compares bitwise (seed R3, R6 change 3).
+    self_check_every: int = Field(default=100, ge=1)
+
+
 class HealthSpec(_Spec):
     step_timeout: Literal["auto"] | Seconds = "auto"
     # How long a node agent may stay silent before its node counts as dead.
@@ -123,6 +128,7 @@ class RunSpec(_Spec):
     target_step: int | None = Field(default=None, ge=1, description="Required with hooks; a plain script stops itself.")
     checkpoint: CheckpointSpec
     health: HealthSpec = HealthSpec()
+    sdc: SdcSpec = SdcSpec()
     max_restarts: int = Field(default=100, ge=0)
     faults: list[Fault] = []
 

@@ -49,6 +49,17 @@ class CheckpointCommitted(_Message):
     blocking_s: float
 
 
+class Resumed(_Message):
+    """The rank loaded a checkpoint: from the host-memory tier or from storage, and how long it took."""
+
+    t: Literal["resumed"] = "resumed"
+    rank: int
+    generation: int
+    step: int
+    source: Literal["memory", "storage"]
+    seconds: float
+
+
 class Finished(_Message):
     t: Literal["finished"] = "finished"
     rank: int
@@ -67,7 +78,7 @@ class RankExited(_Message):
 
 
 RankMessage = Annotated[
-    Union[Hello, StepReport, CheckpointCommitted, Finished, RankExited],  # noqa: UP007
+    Union[Hello, StepReport, CheckpointCommitted, Resumed, Finished, RankExited],  # noqa: UP007
     Field(discriminator="t"),
 ]
 rank_message = TypeAdapter(RankMessage)
@@ -95,7 +106,32 @@ class Subscribe(_Message):
     t: Literal["subscribe"] = "subscribe"
     run_id: str
     after: int = 0
+    only: list[str] | None = None  # message kinds (`t`) wanted; None: all
 
 
-Opening = Annotated[Union[Hello, Subscribe], Field(discriminator="t")]  # noqa: UP007
-opening = TypeAdapter(Opening)  # the first line on a hub connection says who is calling
+class PutFile(_Message):
+    """A checkpoint file for this node's host-memory tier; `size` raw bytes follow the line."""
+
+    t: Literal["put"] = "put"
+    run_id: str
+    checkpoint: str
+    file: str
+    size: int
+
+
+class GetFile(_Message):
+    """Ask a node for a file of its host-memory tier; it answers a FileHeader, then the bytes."""
+
+    t: Literal["get"] = "get"
+    run_id: str
+    checkpoint: str
+    file: str
+
+
+class FileHeader(_Message):
+    t: Literal["file"] = "file"
+    size: int  # -1: this node does not hold the file
+
+
+Opening = Annotated[Union[Hello, Subscribe, PutFile, GetFile], Field(discriminator="t")]  # noqa: UP007
+opening = TypeAdapter(Opening)  # the first line on a hub connection says who is calling and why

@@ -70,20 +70,30 @@ async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[in
     return pids
 
 
-async def hub_records(status: RunStatus) -> list[Record]:
-    """Every telemetry record the run's node agents still hold, read the way the run monitor reads them."""
-    records: list[Record] = []
-    for endpoint in status.endpoints:
-        reader, writer = await asyncio.open_connection(endpoint.hub.host, endpoint.hub.port)
-        writer.write(Subscribe(run_id=status.run_id).model_dump_json().encode() + b"\n")
+class RecordCollector:
+    """Everything a run's node agents receive, read live the way the run monitor reads it (the
+    agents forget a run's records once it is released)."""
+
+    def __init__(self, status: RunStatus) -> None:
+        self.records: list[Record] = []
+        self._tasks = [
+            asyncio.create_task(self._follow(e.hub.host, e.hub.port, status.run_id)) for e in status.endpoints
+        ]
+
+    async def _follow(self, host: str, port: int, run_id: str) -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(Subscribe(run_id=run_id).model_dump_json().encode() + b"\n")
         await writer.drain()
         try:
-            while line := await asyncio.wait_for(reader.readline(), timeout=1.0):
-                records.append(Record.model_validate_json(line))
-        except TimeoutError:
-            pass
-        writer.close()
-    return records
+            while line := await reader.readline():
+                self.records.append(Record.model_validate_json(line))
+        finally:
+            writer.close()
+
+    def stop(self) -> list[Record]:
+        for task in self._tasks:
+            task.cancel()
+        return self.records
 
 
 async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:

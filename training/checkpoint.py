@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 MANIFEST = "manifest.json"
 
@@ -64,6 +64,12 @@ class Manifest(BaseModel):
 
 def checkpoint_dirname(step: int, generation: int) -> str:
     return f"step-{step:08d}-g{generation}"
+
+
+def checkpoint_order(name: str) -> tuple[int, int]:
+    """`step-00000400-g1` → (400, 1): the order in which checkpoints were written."""
+    step, generation = name.removeprefix("step-").split("-g")
+    return int(step), int(generation)
 
 
 def shard_filename(rank: int) -> str:
@@ -123,14 +129,18 @@ def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {MANIFEST}: the write never committed; use an earlier checkpoint")
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
     try:
-        manifest = Manifest.model_validate_json(path.read_bytes())
+        manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise CheckpointError(
-            f"{path} is not a valid manifest ({exc.error_count()} errors): use another checkpoint"
+            f"{where} is not a valid manifest ({exc.error_count()} errors): use another checkpoint"
         ) from None
     if manifest.digest != manifest.body_digest():
-        raise CheckpointError(f"{path} was edited after it was written (digest mismatch): use another checkpoint")
+        raise CheckpointError(f"{where} was edited after it was written (digest mismatch): use another checkpoint")
     return manifest
 
 
@@ -151,12 +161,13 @@ def verify_shards(directory: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
-def load_shard(path: Path) -> dict[str, torch.Tensor]:
+def parse_shard(data: bytes, name: str) -> dict[str, torch.Tensor]:
+    """Tensors from a safetensors shard; anything else (a pickle, say) is refused, never unpickled."""
     try:
-        return load_file(path)
-    except (SafetensorError, OSError) as exc:
+        return load(data)
+    except (SafetensorError, ValueError) as exc:
         raise CheckpointError(
-            f"{path.name} is not a safetensors shard ({exc}); stayalive never unpickles checkpoint payloads, "
+            f"{name} is not a safetensors shard ({exc}); stayalive never unpickles checkpoint payloads, "
             "so this file is refused: use another checkpoint"
         ) from None
 
@@ -168,5 +179,5 @@ def load_checkpoint(directory: Path) -> tuple[Manifest, dict[str, torch.Tensor]]
         raise CheckpointError(f"{directory.name}: " + "; ".join(problems))
     tensors: dict[str, torch.Tensor] = {}
     for shard in manifest.shards:
-        tensors.update(load_shard(directory / shard.file))
+        tensors.update(parse_shard((directory / shard.file).read_bytes(), shard.file))
     return manifest, tensors

@@ -1,14 +1,19 @@
 """Asynchronous checkpoints: a step blocks only while a rank copies its share into host memory.
 
-A background thread then serializes the share, writes it under a temporary directory, fsyncs,
-and counts itself done in the run's store. The last rank to finish writes the manifest and
-renames the directory into place, so a checkpoint appears whole or not at all.
+step N ─ copy this rank's share into reused staging buffers      (blocking: the `C` of Young/Daly)
+         └ writer thread: shard → host-memory tier (tmpfs)      (a crashed rank's replacement reads it)
+                          shard → replica on the buddy's node   (the host may die too; seed R1)
+                          shard → storage, fsynced, digested    (under a temporary directory)
+                          the last rank to finish writes the manifest and renames the directory
+                          into place, so a checkpoint appears whole or not at all.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -18,8 +23,9 @@ from pathlib import Path
 import structlog
 import torch
 import torch.distributed as dist
-from safetensors.torch import save
+from safetensors.torch import save_file
 
+from training import memory
 from training.checkpoint import (
     MANIFEST,
     Manifest,
@@ -30,6 +36,7 @@ from training.checkpoint import (
     shard_filename,
     write_atomically,
 )
+from training.faults import FaultInjector
 from training.state import TrainState, python_rng, rng_tensors
 
 log = structlog.get_logger()
@@ -44,6 +51,15 @@ class Identity:
     config_digest: str
     model: dict[str, int]
     global_batch: int
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """This node's host-memory directory and where this rank's replica goes (None: same node)."""
+
+    directory: Path
+    replica_hub: str | None
+    hubs: list[str]  # every node of the generation: where the manifest is mirrored
 
 
 @dataclass
@@ -63,6 +79,8 @@ class Checkpointer:
         world_size: int,
         store: dist.Store,
         identity: Identity,
+        tier: MemoryTier | None,
+        faults: FaultInjector,
         on_commit: Callable[[Manifest, Path], None],
     ) -> None:
         self.directory = directory
@@ -70,29 +88,35 @@ class Checkpointer:
         self.world_size = world_size
         self.store = store
         self.identity = identity
+        self.tier = tier
+        self.faults = faults
         self.on_commit = on_commit
+        self._buffers: dict[str, torch.Tensor] = {}
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, state: TrainState) -> float:
         """Stage this rank's share of `state` and return the seconds the step was blocked."""
         started = time.perf_counter()
-        self.wait()  # one write in flight at a time: a second would double host memory
+        self.wait()  # one write in flight: the staging buffers are reused by the next checkpoint
         tensors = state.tensors()
         owner = partition({n: t.numel() * t.element_size() for n, t in tensors.items()}, self.world_size)
+        mine = {n: t for n, t in tensors.items() if owner[n] == self.rank} | rng_tensors(self.rank)
+        for name, tensor in mine.items():
+            buffer = self._buffers.get(name)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = self._buffers[name] = torch.empty_like(tensor, device="cpu")
+            buffer.copy_(tensor.detach())
         staged = _Staged(
             step=state.step,
-            tensors={n: t.detach().to("cpu", copy=True) for n, t in tensors.items() if owner[n] == self.rank}
-            | {n: t.clone() for n, t in rng_tensors(self.rank).items()},
+            tensors={n: self._buffers[n] for n in mine},
             param_groups=state.param_groups(),
             python_rng=python_rng(),
         )
         staged.blocking_s = time.perf_counter() - started
         # The writer thread logs with this thread's run_id/node/rank/step context.
         self._writer = threading.Thread(
-            target=contextvars.copy_context().run,
-            args=(self._persist, staged),
-            name="stayalive-checkpoint-writer",
+            target=contextvars.copy_context().run, args=(self._persist, staged), name="stayalive-checkpoint-writer"
         )
         self._writer.start()
         return staged.blocking_s
@@ -108,15 +132,18 @@ class Checkpointer:
     def _persist(self, staged: _Staged) -> None:
         try:
             name = checkpoint_dirname(staged.step, self.identity.generation)
+            shard = shard_filename(self.rank)
+            local = self._to_memory(name, shard, staged)
             tmp = self.directory / f".{name}.tmp"
             tmp.mkdir(parents=True, exist_ok=True)
-            data = save(staged.tensors)
-            write_atomically(tmp / shard_filename(self.rank), data)
+            size, sha256 = _copy_durably(
+                local, tmp / shard, halfway=lambda: self.faults.checkpoint_writing(staged.step)
+            )
             record = ShardRecord(
-                file=shard_filename(self.rank),
+                file=shard,
                 rank=self.rank,
-                size=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
+                size=size,
+                sha256=sha256,
                 tensors=len(staged.tensors),
                 python_rng=staged.python_rng,
                 blocking_s=staged.blocking_s,
@@ -127,6 +154,20 @@ class Checkpointer:
         except BaseException as exc:  # surfaces on the training thread at the next save or wait
             log.error("checkpoint write failed", step=staged.step, error=str(exc))
             self._error = exc
+
+    def _to_memory(self, name: str, shard: str, staged: _Staged) -> Path:
+        """Serialize into host memory (tmpfs) and send the replica; return the local file."""
+        if self.tier is None:  # no tier: serialize next to storage instead
+            path = self.directory / f".{name}.staging" / shard
+        else:
+            path = memory.memory_path(self.tier.directory, self.identity.run_id, name, shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(staged.tensors, str(path))
+        if self.tier is not None:
+            memory.prune(self.tier.directory, self.identity.run_id)
+            if self.tier.replica_hub:
+                memory.put(self.tier.replica_hub, self.identity.run_id, name, path)
+        return path
 
     def _commit(self, staged: _Staged, name: str, tmp: Path) -> None:
         shards = [
@@ -144,9 +185,40 @@ class Checkpointer:
             optimizer_param_groups=staged.param_groups,
             shards=shards,
         ).sealed()
-        write_atomically(tmp / MANIFEST, manifest.model_dump_json(indent=1).encode())
+        body = manifest.model_dump_json(indent=1).encode()
+        write_atomically(tmp / MANIFEST, body)
         final = self.directory / name
         tmp.rename(final)
         fsync_dir(self.directory)
-        log.info("checkpoint committed", step=staged.step, path=str(final))
+        if self.tier is not None:  # the manifest is small: every node's tier gets a copy
+            local = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
+            write_atomically(local, body)
+            for hub in self.tier.hubs:
+                memory.put(hub, self.identity.run_id, name, local)
+        else:
+            shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
+        log.info("checkpoint committed", path=str(final))
+        self.faults.checkpoint_committed(staged.step, final)
         self.on_commit(manifest, final)
+
+
+def _copy_durably(source: Path, target: Path, halfway: Callable[[], None]) -> tuple[int, str]:
+    """Copy to storage under a temporary name, digesting on the way; fsync; rename. Returns size, SHA-256."""
+    digest = hashlib.sha256()
+    tmp = target.with_name(f".{target.name}.tmp")
+    total = source.stat().st_size
+    size = 0
+    crossed = False
+    with open(source, "rb") as src, open(tmp, "wb") as dst:
+        while chunk := src.read(min(1 << 22, max(1, total // 2))):
+            digest.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+            if not crossed and size * 2 >= total:
+                crossed = True
+                halfway()
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    return size, digest.hexdigest()

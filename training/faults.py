@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import structlog
 
-from core.faults import Crash, Fault
+from core.faults import CorruptCheckpoint, Crash, Fault
+from training.checkpoint import MANIFEST, shard_filename
 
 log = structlog.get_logger()
 
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, generation: int) -> None:
-        self.faults = [f for f in faults if f.fires_in(generation) and f.rank == rank]
+        self.rank = rank
+        self.faults = [f for f in faults if f.fires_in(generation) and getattr(f, "rank", rank) == rank]
 
     def before_collective(self, step: int) -> None:
-        """Called after backward, before the gradient all-reduce: where a dying GPU leaves its peers waiting."""
+        """After backward, before the gradient all-reduce: where a dying GPU leaves its peers waiting."""
+        self._crash(step, "step")
+
+    def checkpoint_writing(self, step: int) -> None:
+        """Half of this rank's shard is on storage."""
+        self._crash(step, "checkpoint_write")
+
+    def checkpoint_committed(self, step: int, directory: Path) -> None:
         for fault in self.faults:
-            if isinstance(fault, Crash) and fault.at_step == step:
-                log.warning("injected crash", step=step, exit_code=fault.exit_code)
+            if isinstance(fault, CorruptCheckpoint) and fault.at_step == step:
+                log.warning("injected checkpoint damage", damage=fault.damage, checkpoint=directory.name)
+                _damage(directory, fault)
+
+    def _crash(self, step: int, during: str) -> None:
+        for fault in self.faults:
+            if isinstance(fault, Crash) and fault.at_step == step and fault.during == during:
+                log.warning("injected crash", during=during, exit_code=fault.exit_code)
                 os._exit(fault.exit_code)
+
+
+def _damage(directory: Path, fault: CorruptCheckpoint) -> None:
+    shard = directory / shard_filename(fault.shard)
+    manifest = directory / MANIFEST
+    if fault.damage == "truncate_shard":
+        os.truncate(shard, shard.stat().st_size // 2)
+    elif fault.damage == "flip_byte":
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x01]))
+    elif fault.damage == "delete_shard":
+        shard.unlink()
+    elif fault.damage == "delete_manifest":
+        manifest.unlink()
+    else:  # edit_manifest: someone "fixes" the step by hand
+        body = json.loads(manifest.read_text())
+        body["step"] += 1
+        manifest.write_text(json.dumps(body))

@@ -8,6 +8,7 @@ or stops at the same step, which is what keeps a checkpoint consistent across ra
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from pydantic import BaseModel, TypeAdapter
 
 from core.faults import Fault
 from core.telemetry import Hello
+from training import memory
 from training.channel import AgentChannel
+from training.checkpointer import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
 
@@ -36,6 +39,8 @@ class SupervisionConfig:
     every_seconds: float | None = None
     resume_from: Path | None = None
     faults: list[Fault] = field(default_factory=list)
+    memory_dir: Path | None = None
+    hubs: list[str] = field(default_factory=list)  # every node's agent, in node order
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SupervisionConfig:
@@ -58,7 +63,19 @@ class SupervisionConfig:
             else None,
             resume_from=Path(env["STAYALIVE_RESUME_FROM"]) if env.get("STAYALIVE_RESUME_FROM") else None,
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
+            memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,
+            hubs=json.loads(env.get("STAYALIVE_HUBS", "[]")),
         )
+
+    def memory_tier(self, rank: int, world_size: int, ranks_per_node: int) -> MemoryTier | None:
+        """This rank's view of the host-memory tier: its node's directory, the replica's node, the others."""
+        if self.memory_dir is None:
+            return None
+        node = rank // ranks_per_node
+        others = [hub for i, hub in enumerate(self.hubs) if i != node]
+        replica_node = memory.holder(rank, world_size) // ranks_per_node
+        replica = self.hubs[replica_node] if replica_node != node and replica_node < len(self.hubs) else None
+        return MemoryTier(directory=self.memory_dir, replica_hub=replica, hubs=others)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -17,13 +18,15 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from core.telemetry import CheckpointCommitted, Finished, StepReport
-from training.checkpoint import Manifest, load_checkpoint, within_root
+from core.launch import EXIT_CHECKPOINT_UNUSABLE
+from core.telemetry import CheckpointCommitted, Finished, Resumed, StepReport
+from training.checkpoint import CheckpointError, Manifest, within_root
 from training.checkpointer import Checkpointer, Identity
 from training.corpus import Corpus, SampleStream, generate_text
 from training.faults import FaultInjector
 from training.gpt import GPT, PRESETS, GPTConfig
 from training.logs import configure_logging
+from training.restore import restore
 from training.state import TrainState, restore_rng
 from training.supervision import Supervision, SupervisionConfig
 
@@ -107,15 +110,26 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(gpt_config)
     state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
+    faults = FaultInjector(config.faults, rank, config.generation)
+    tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if config.resume_from is not None:
-        manifest, tensors = load_checkpoint(within_root(config.checkpoint_dir, config.resume_from))
-        state.restore(manifest, tensors)
-        restore_rng(manifest, tensors, rank)
-        log.info(
-            "resumed",
-            step=state.step,
-            checkpoint=str(config.resume_from),
-            saved_world_size=manifest.world_size,
+        try:
+            restored = restore(
+                within_root(config.checkpoint_dir, config.resume_from), config.run_id, rank, world_size, tier
+            )
+        except CheckpointError as exc:
+            log.error("cannot resume", checkpoint=str(config.resume_from), error=str(exc))
+            sys.exit(EXIT_CHECKPOINT_UNUSABLE)
+        state.restore(restored.manifest, restored.tensors)
+        restore_rng(restored.manifest, restored.tensors, rank)
+        supervision.report(
+            Resumed(
+                rank=rank,
+                generation=config.generation,
+                step=state.step,
+                source=restored.source,
+                seconds=restored.seconds,
+            )
         )
 
     store = dist.PrefixStore(
@@ -141,10 +155,12 @@ def main(argv: list[str] | None = None) -> None:
         world_size,
         store,
         Identity(config.run_id, config.generation, config.config_digest, gpt_config.model_dump(), args.global_batch),
+        tier,
+        faults,
         on_commit=committed,
     )
     stream = SampleStream(corpus, gpt_config.block_size, args.global_batch, args.seed)
-    train(state, stream, supervision, checkpointer, FaultInjector(config.faults, rank, config.generation))
+    train(state, stream, supervision, checkpointer, faults)
     checkpointer.wait()
     supervision.report(Finished(rank=rank, generation=config.generation, step=state.step))
     supervision.close()

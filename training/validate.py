@@ -1,7 +1,9 @@
-"""Test-load a checkpoint in a fresh process: `python -m training.validate DIR` prints one JSON verdict.
+"""Test-load checkpoints in a process of their own: `python -m training.validate` reads one checkpoint
+directory per line on stdin and answers one JSON verdict per line on stdout.
 
-A fresh process, because the load must not borrow anything from the process that wrote it: the
-model is rebuilt from the manifest's config, and every tensor must fit it exactly.
+A separate process, because the load must not borrow anything from the process that wrote it: the
+model is rebuilt from the manifest's config, and every tensor must fit it exactly. A long-lived one,
+because importing torch for every checkpoint would cost more than loading it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def test_load(directory: Path) -> TestLoad:
         model = GPT(GPTConfig(**manifest.model))
         state = TrainState(model, torch.optim.AdamW(model.parameters()))
         state.restore(manifest, tensors)
-    except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+    except (CheckpointError, RuntimeError, ValueError, KeyError, OSError) as exc:
         return TestLoad(ok=False, problems=[str(exc)])
     nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if nonfinite:
@@ -41,4 +43,6 @@ def test_load(directory: Path) -> TestLoad:
 
 
 if __name__ == "__main__":
-    print(test_load(Path(sys.argv[1])).model_dump_json())
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        print(test_load(Path(line.strip())).model_dump_json(), flush=True)

@@ -115,7 +115,7 @@ async def demo(args: argparse.Namespace) -> int:
     client = await connect(address)
     workflow_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     handle = await start_run(client, spec, workflow_id)
-    faults = ", ".join(f"{f.kind} of rank {f.rank} at step {f.at_step}" for f in spec.faults) or "none"
+    faults = ", ".join(str(f) for f in spec.faults) or "none"
     console.print(
         f"Started run [bold]{workflow_id}[/]: {spec.world_size} ranks on {', '.join(spec.nodes)} "
         f"(spare {', '.join(spec.spare_nodes) or '-'}), {spec.target_step} steps; injected faults: {faults}"

@@ -76,7 +76,7 @@ async def follow(client: Client, handle: WorkflowHandle, poll: float = 0.5) -> R
 
 def timeline_table(interruptions: list[Interruption]) -> Table:
     table = Table(title="Interruption timeline", title_justify="left")
-    for column in ("at", "cause", "node", "rank", "step", "resumed from", "lost steps", "restart s"):
+    for column in ("at", "cause", "node", "rank", "step", "resumed from", "lost steps", "restart s", "restored from"):
         table.add_column(column)
     for i in interruptions:
         table.add_row(
@@ -88,6 +88,7 @@ def timeline_table(interruptions: list[Interruption]) -> Table:
             "-" if i.resumed_from is None else str(i.resumed_from),
             "-" if i.lost_steps is None else str(i.lost_steps),
             "-" if i.restart_seconds is None else f"{i.restart_seconds:.1f}",
+            i.restored_from or "-",
         )
     return table
 

@@ -98,9 +98,16 @@ class DevStack:
     def start_supervisor(self) -> None:
         self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address])
 
+    @property
+    def memory_dir(self) -> Path:
+        """Host memory (tmpfs) of this stack's nodes; one folder per node stands for one host's RAM."""
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else self.state_dir) / f"stayalive-{self.port}"
+
     def start_agent(self, node: str) -> None:
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
-        self._spawn(f"agent-{node}", [*argv, "--state-dir", str(self.state_dir)])
+        argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
+        self._spawn(f"agent-{node}", argv)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes.pop(name)
@@ -118,6 +125,8 @@ class DevStack:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        if not self.detach:
+            shutil.rmtree(self.memory_dir, ignore_errors=True)
 
     def _log(self, name: str) -> Path:
         return self.state_dir / "logs" / f"{name}.log"

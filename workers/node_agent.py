@@ -25,8 +25,16 @@ from workflows.run import node_queue
 log = structlog.get_logger()
 
 
-async def serve(node: str, address: str, namespace: str, host: str, advertise: str | None, state_dir: Path) -> None:
-    hub = NodeHub(node, host, advertise)
+def default_memory_dir(node: str) -> Path:
+    """Host memory: tmpfs where the host has one (every Linux host's /dev/shm)."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path("/tmp")) / "stayalive" / node
+
+
+async def serve(
+    node: str, address: str, namespace: str, host: str, advertise: str | None, state_dir: Path, memory_dir: Path
+) -> None:
+    hub = NodeHub(node, host, memory_dir, advertise)
     await hub.start()
     node_activities = NodeActivities(node, hub, state_dir / "nodes" / node)
     client = await connect(address, namespace)
@@ -36,7 +44,7 @@ async def serve(node: str, address: str, namespace: str, host: str, advertise: s
         activities=[
             node_activities.prepare_generation,
             node_activities.run_ranks,
-            node_activities.stop_ranks,
+            node_activities.release_run,
             node_activities.send_command,
         ],
         max_concurrent_activities=64,
@@ -56,9 +64,11 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the hub and rendezvous store listen on")
     parser.add_argument("--advertise", default=None, help="address other hosts reach this one at (default --host)")
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
+    parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
     args = parser.parse_args()
     configure_logging(node=args.node)
-    asyncio.run(serve(args.node, args.address, args.namespace, args.host, args.advertise, args.state_dir))
+    memory_dir = args.memory_dir or default_memory_dir(args.node)
+    asyncio.run(serve(args.node, args.address, args.namespace, args.host, args.advertise, args.state_dir, memory_dir))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from activities.checkpoints import validate_checkpoint
+from activities.checkpoints import choose_checkpoint, keep_checkpoints
 from activities.monitor import monitor_run
 from training.logs import configure_logging
 from workflows.run import TASK_QUEUE, RunWorkflow
@@ -34,7 +34,7 @@ async def serve(address: str, namespace: str) -> None:
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow],
-        activities=[monitor_run, validate_checkpoint],
+        activities=[monitor_run, keep_checkpoints, choose_checkpoint],
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )

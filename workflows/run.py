@@ -1,51 +1,40 @@
 """RunWorkflow: carries one training run to its target step, through every interruption.
 
-A run is a sequence of generations. Each generation prepares its nodes, starts their ranks
-(`run_ranks` on every node's queue) and a run monitor, then waits for the first decisive event:
-a checkpoint to validate, a first step to time, a failed rank, a lost node, or every rank done.
-Workflow code decides; every side effect is an activity with a summary a human can read.
+A run is a sequence of generations. Each generation judges what the last one left behind, picks
+the newest valid checkpoint, prepares its nodes, starts their ranks (`run_ranks` on each node's
+queue), a run monitor and a checkpoint keeper, then handles events until the generation ends: a
+checkpoint judged, the first step after a restart, a failed rank, a lost node, or every rank done.
+Workflow code decides; every side effect is an activity (workflows/calls.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 from temporalio.workflow import ActivityHandle
+
+from workflows import calls
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from activities.checkpoints import ValidateCheckpoint, Verdict, validate_checkpoint
-    from activities.monitor import monitor_run
-    from activities.node import NodeActivities, NodeCommand, PrepareGeneration
-    from core.events import (
-        CheckpointWritten,
-        FirstStep,
-        MonitorEvent,
-        MonitorInput,
-        NodeOutcome,
-        RankFailed,
-        RanksFinished,
-    )
+    from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
+    from core.events import FirstStep, MonitorEvent, MonitorInput, NodeOutcome, RankFailed, RanksFinished
     from core.goodput import ledger
     from core.interval import interval, mtbf
-    from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
+    from core.launch import EXIT_CHECKPOINT_UNUSABLE, NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
+    from core.retention import to_delete
     from core.run import Cause, CheckpointRecord, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
     from core.telemetry import Command
 
 TASK_QUEUE = "stayalive"
-FOREVER = timedelta(days=3650)
-
-
-def node_queue(node: str) -> str:
-    return f"node.{node}"
+node_queue = calls.node_queue
 
 
 class CarriedRun(BaseModel):
@@ -77,7 +66,6 @@ class RunWorkflow:
             info = workflow.info()
             self.status = RunStatus(spec=input, run_id=f"{info.workflow_id}/{info.first_execution_run_id[:8]}")
         self.run_id = self.status.run_id
-        self._validations: list[asyncio.Task[None]] = []
 
     @property
     def spec(self) -> RunSpec:
@@ -91,10 +79,10 @@ class RunWorkflow:
             while not self.status.state.terminal:
                 await self._generation()
         except asyncio.CancelledError:
-            await self._stop_everywhere()
+            await self._release()
             self._set_state(RunState.CANCELLED)
             raise
-        await asyncio.gather(*self._validations)
+        await self._release()
         self.status.finished_at = workflow.now()
         return RunResult(
             run_id=self.run_id,
@@ -113,6 +101,11 @@ class RunWorkflow:
     def timeline(self) -> list[Interruption]:
         return self.status.interruptions
 
+    @workflow.query
+    def checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint the run wrote: validated or not, and why; deleted by retention or kept."""
+        return self.status.checkpoints
+
     @workflow.signal
     async def force_checkpoint(self) -> None:
         """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
@@ -122,9 +115,13 @@ class RunWorkflow:
 
     async def _generation(self) -> None:
         status, spec = self.status, self.spec
+        if status.generation > 0:
+            await self._judge_leftovers()
         resume = status.latest_valid_checkpoint()
+        if status.interruptions and status.interruptions[-1].resumed_from is None:
+            status.interruptions[-1].resumed_at(resume.step if resume else 0)
         self._set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
-        endpoints = status.endpoints = await self._prepare(spec.nodes)
+        endpoints = status.endpoints = await self._prepare()
         rendezvous = endpoints[0].rendezvous
         assert rendezvous is not None
         env = spec.env | supervision_env(
@@ -134,99 +131,95 @@ class RunWorkflow:
             status.generation,
             resume.path if resume else None,
             self._checkpoint_seconds(),
+            endpoints,
         )
-        ranks = assign_ranks(spec.nodes, spec.ranks_per_node)
+        origin = f"from checkpoint step {resume.step}" if resume else "from scratch"
         nodes = {
-            node: self._run_ranks(
+            node: calls.run_ranks(
                 NodeLaunch(
                     run_id=self.run_id,
                     node=node,
                     generation=status.generation,
-                    ranks=ranks[node],
+                    ranks=ranks,
                     world_size=spec.world_size,
                     rendezvous=rendezvous,
                     entrypoint=spec.entrypoint,
                     env=env,
                 ),
-                resume,
+                origin,
+                spec.health.node_heartbeat_timeout,
             )
-            for node in spec.nodes
+            for node, ranks in assign_ranks(spec.nodes, spec.ranks_per_node).items()
         }
-        monitor = self._monitor(endpoints, first_step=True) if spec.hooks else None
-        finished: dict[str, RanksFinished] = {}
+        monitor = self._monitor(first_step=True) if spec.hooks else None
+        keeper = self._keeper() if spec.hooks else None
+        finished: set[str] = set()
         while True:
-            waiting: list[asyncio.Future] = [t for n, t in nodes.items() if n not in finished]
-            done, _ = await workflow.wait(
-                [*waiting, *([monitor] if monitor else [])], return_when=asyncio.FIRST_COMPLETED
-            )
+            waiting = [t for n, t in nodes.items() if n not in finished] + [h for h in (monitor, keeper) if h]
+            done, _ = await workflow.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if monitor is not None and monitor in done:
                 self._on_monitor_event(monitor.result())
-                monitor = self._monitor(endpoints, first_step=False)
+                monitor = self._monitor(first_step=False)
+            if keeper is not None and keeper in done:
+                self._on_checkpoint(keeper.result())
+                keeper = self._keeper()
             for node, task in nodes.items():
                 if task in done:
                     outcome = await self._outcome(node, task)
                     if isinstance(outcome, RanksFinished):
-                        finished[node] = outcome
+                        finished.add(node)
                     else:
-                        await self._interrupt(outcome, [*nodes.values(), monitor])
+                        await self._cancel([*nodes.values(), monitor, keeper])
+                        self._interrupt(outcome, resume)
                         return
             if len(finished) == len(nodes):
-                await self._finish(monitor)
+                await self._cancel([monitor])
+                await self._finish(keeper)
                 return
 
-    async def _prepare(self, nodes: list[str]) -> list[NodeEndpoint]:
-        generation = self.status.generation
+    async def _prepare(self) -> list[NodeEndpoint]:
+        answer_within = self.spec.health.node_heartbeat_timeout
         return list(
             await asyncio.gather(
                 *(
-                    workflow.execute_activity_method(
-                        NodeActivities.prepare_generation,
-                        PrepareGeneration(run_id=self.run_id, generation=generation, host_rendezvous=i == 0),
-                        task_queue=node_queue(node),
-                        schedule_to_start_timeout=timedelta(seconds=self.spec.health.node_heartbeat_timeout),
-                        start_to_close_timeout=timedelta(minutes=2),
-                        retry_policy=RetryPolicy(maximum_attempts=3),
-                        summary=f"{node}: stop earlier ranks"
-                        + (", open a fresh rendezvous store" if i == 0 else "")
-                        + f" for generation {generation}",
-                    )
-                    for i, node in enumerate(nodes)
+                    calls.prepare(self.run_id, self.status.generation, node, i == 0, answer_within)
+                    for i, node in enumerate(self.spec.nodes)
                 )
             )
         )
 
-    def _run_ranks(self, launch: NodeLaunch, resume: CheckpointRecord | None) -> ActivityHandle[NodeOutcome]:
-        origin = f"from checkpoint step {resume.step}" if resume else "from scratch"
-        return workflow.start_activity_method(
-            NodeActivities.run_ranks,
-            launch,
-            task_queue=node_queue(launch.node),
-            start_to_close_timeout=FOREVER,
-            heartbeat_timeout=timedelta(seconds=self.spec.health.node_heartbeat_timeout),
-            # Never retried: a second launch on a node the workflow knows nothing about would be a guess.
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            summary=f"run ranks {launch.ranks[0]}-{launch.ranks[-1]} on {launch.node}, "
-            f"generation {launch.generation}, {origin}",
-        )
-
-    def _monitor(self, endpoints: list[NodeEndpoint], first_step: bool) -> ActivityHandle[MonitorEvent]:
+    def _monitor(self, first_step: bool) -> ActivityHandle[MonitorEvent]:
         resume = self.status.latest_valid_checkpoint()
-        purpose = "until its first step" if first_step else "for the next checkpoint"
-        return workflow.start_activity(
-            monitor_run,
+        return calls.monitor(
             MonitorInput(
                 run_id=self.run_id,
                 generation=self.status.generation,
                 world_size=self.spec.world_size,
-                endpoints=endpoints,
+                endpoints=self.status.endpoints,
                 resume_step=resume.step if resume else 0,
                 await_first_step=first_step,
                 after=self.status.telemetry_cursor,
+            )
+        )
+
+    def _keeper(self) -> ActivityHandle[KeeperResult]:
+        status = self.status
+        assert status.started_at is not None
+        dropped = to_delete(
+            status.checkpoints, status.started_at, status.spec.sdc.self_check_every, self._checkpoint_steps()
+        )
+        mine = [c for c in status.checkpoints if c.generation == status.generation]
+        return calls.keeper(
+            KeeperInput(
+                run_id=self.run_id,
+                generation=status.generation,
+                root=self.spec.checkpoint.root,
+                endpoints=status.endpoints,
+                after=status.checkpoint_cursor,
+                reference=status.latest_valid_checkpoint(),
+                delete=[c.path for c in dropped],
             ),
-            start_to_close_timeout=FOREVER,
-            heartbeat_timeout=timedelta(seconds=10),
-            retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)),
-            summary=f"watch generation {self.status.generation} {purpose}",
+            max((c.step for c in mine), default=None),
         )
 
     async def _outcome(self, node: str, task: ActivityHandle[NodeOutcome]) -> NodeOutcome | NodeLost:
@@ -235,6 +228,23 @@ class RunWorkflow:
         except ActivityError as exc:
             # A heartbeat timeout: the node agent is gone (dead host, partition, killed agent).
             return NodeLost(node=node, detail=f"{exc.cause or exc}")
+
+    async def _judge_leftovers(self) -> None:
+        """Before choosing where to resume: validate what the last generation committed but nobody
+        judged yet, and record writes that never committed."""
+        status = self.status
+        known = [c.path.rstrip("/").rsplit("/", 1)[-1] for c in status.checkpoints]
+        found = await calls.choose(
+            ChooseInput(
+                run_id=self.run_id,
+                root=self.spec.checkpoint.root,
+                directory=status.checkpoint_dir,
+                generation=status.generation,
+                known=known,
+                reference=status.latest_valid_checkpoint(),
+            )
+        )
+        status.checkpoints.extend(found)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -249,51 +259,35 @@ class RunWorkflow:
             last = status.interruptions[-1] if status.interruptions else None
             if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
                 last.restart_seconds = max(0.0, (at - last.at).total_seconds())
-            self._set_state(RunState.RUNNING)
-        elif isinstance(event, CheckpointWritten):
-            record = CheckpointRecord(
-                step=event.step,
-                path=event.path,
-                generation=status.generation,
-                blocking_seconds=event.blocking_seconds,
-                written_at=datetime.fromtimestamp(event.at, UTC),
-            )
-            status.checkpoints.append(record)
-            self._validations.append(asyncio.create_task(self._validate(record)))
+                last.restored_from = event.restored_from
             self._set_state(RunState.RUNNING)
 
-    async def _validate(self, record: CheckpointRecord) -> None:
-        verdict: Verdict = await workflow.execute_activity(
-            validate_checkpoint,
-            ValidateCheckpoint(
-                run_id=self.run_id,
-                root=self.spec.checkpoint.root,
-                checkpoint=record,
-                history=self.status.checkpoints,
-            ),
-            start_to_close_timeout=timedelta(minutes=30),
-            heartbeat_timeout=timedelta(seconds=30),
-            summary=f"validate checkpoint step {record.step} (generation {record.generation})",
-        )
-        record.validated, record.reason, record.param_norm = (
-            verdict.validated,
-            verdict.reason,
-            verdict.param_norm,
-        )
-
-    async def _interrupt(self, outcome: RankFailed | NodeLost, running: list[ActivityHandle | None]) -> None:
+    def _on_checkpoint(self, result: KeeperResult) -> None:
         status = self.status
-        self._set_state(RunState.DIAGNOSING)
-        await self._cancel(running)
-        await asyncio.gather(*self._validations)
-        resume = status.latest_valid_checkpoint()
-        resumed_from = resume.step if resume else 0
+        status.checkpoint_cursor = result.after
+        for record in status.checkpoints:
+            if record.path in result.deleted:
+                record.deleted = True
+        status.checkpoints.append(result.checkpoint)
+        status.progress.step = max(status.progress.step, result.checkpoint.step)
+
+    def _interrupt(self, outcome: RankFailed | NodeLost, resume: CheckpointRecord | None) -> None:
+        status = self.status
+        if isinstance(outcome, RankFailed) and outcome.exit_code == EXIT_CHECKPOINT_UNUSABLE and resume:
+            # The ranks could not load the checkpoint they were given: it is not resumable after all.
+            resume.validated = False
+            resume.reason = f"could not be loaded at resume{_last_line(outcome.log_tail)}"
+            cause, detected_by = Cause.CHECKPOINT_INVALID, "rank refused its resume checkpoint"
+        elif isinstance(outcome, RankFailed):
+            cause, detected_by = Cause.CRASH, "node agent: rank process exited"
+        else:
+            cause, detected_by = Cause.NODE_LOST, "node agent heartbeat timeout"
         if isinstance(outcome, RankFailed):
             interruption = Interruption(
                 at=datetime.fromtimestamp(outcome.at, UTC),
                 generation=status.generation,
-                detected_by="node agent: rank process exited",
-                cause=Cause.CRASH,
+                detected_by=detected_by,
+                cause=cause,
                 node=outcome.node,
                 rank=outcome.rank,
                 step=outcome.last_step,
@@ -303,31 +297,25 @@ class RunWorkflow:
             interruption = Interruption(
                 at=workflow.now(),
                 generation=status.generation,
-                detected_by="node agent heartbeat timeout",
-                cause=Cause.NODE_LOST,
+                detected_by=detected_by,
+                cause=cause,
                 node=outcome.node,
                 step=status.progress.step,
                 detail=outcome.detail,
             )
-        self._record(interruption, resumed_from)
+        self._record(interruption)
 
-    async def _finish(self, monitor: ActivityHandle[MonitorEvent] | None) -> None:
-        """Every rank exited cleanly. Done only once the final checkpoint is recorded and valid."""
+    async def _finish(self, keeper: ActivityHandle[KeeperResult] | None) -> None:
+        """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
         target = self.spec.target_step
-        if monitor is not None and target is not None:
-            # The monitor may still be reading what the ranks sent before exiting (or catching up
-            # after a supervisor restart): take its events until the final checkpoint is among them.
-            deadline = workflow.now() + timedelta(seconds=60)
-            while not any(c.step == target for c in self.status.checkpoints) and workflow.now() < deadline:
-                done, _ = await workflow.wait([monitor], timeout=(deadline - workflow.now()).total_seconds())
-                if monitor not in done:
-                    break
-                self._on_monitor_event(monitor.result())
-                monitor = self._monitor(self.status.endpoints, first_step=False)
-            await self._cancel([monitor])
-            await asyncio.gather(*self._validations)
+        if keeper is not None and target is not None:
+            # The keeper may still be validating what the ranks wrote last (or catching up after a
+            # supervisor restart): take its verdicts until the final checkpoint's is among them.
+            while not any(c.step == target for c in self.status.checkpoints if c.generation == self.status.generation):
+                self._on_checkpoint(await keeper)
+                keeper = self._keeper()
+            await self._cancel([keeper])
             if not any(c.step == target and c.validated for c in self.status.checkpoints):
-                resume = self.status.latest_valid_checkpoint()
                 self._record(
                     Interruption(
                         at=workflow.now(),
@@ -335,23 +323,21 @@ class RunWorkflow:
                         detected_by="final checkpoint validation",
                         cause=Cause.CHECKPOINT_INVALID,
                         step=target,
-                        detail=f"ranks finished but no valid checkpoint of step {target}",
-                    ),
-                    resume.step if resume else 0,
+                        detail=f"ranks finished but the checkpoint of step {target} is not valid",
+                    )
                 )
                 return
             self.status.progress.step = target
         self._set_state(RunState.COMPLETED)
 
-    def _record(self, interruption: Interruption, resumed_from: int) -> None:
-        interruption.resumed_from = resumed_from
-        if interruption.step is not None:
-            interruption.lost_steps = max(0, interruption.step - resumed_from)
-        self.status.interruptions.append(interruption)
+    def _record(self, interruption: Interruption) -> None:
+        """Add the interruption to the timeline; the next generation fills in where it resumed."""
+        status = self.status
+        status.interruptions.append(interruption)
         workflow.logger.warning("interruption: %s", interruption.line())
-        self.status.generation += 1
-        if len(self.status.interruptions) > self.spec.max_restarts:
-            self.status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
+        status.generation += 1
+        if len(status.interruptions) > self.spec.max_restarts:
+            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
             self._set_state(RunState.FAILED)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -362,7 +348,7 @@ class RunWorkflow:
             return cfg.interval.value
         if cfg.interval.kind != "auto":
             return None
-        measured = [c.blocking_seconds for c in self.status.checkpoints]
+        measured = [c.blocking_seconds for c in self.status.checkpoints if c.validated]
         if not measured:
             return cfg.min_interval  # the first checkpoint comes early: it measures C
         assert self.status.started_at is not None
@@ -370,21 +356,18 @@ class RunWorkflow:
         m = mtbf(observed, len(self.status.interruptions), cfg.prior_mtbf)
         return interval(measured[-1], m, cfg.min_interval, cfg.max_interval)
 
+    def _checkpoint_steps(self) -> float:
+        """The checkpoint interval in steps, for retention (time-based intervals convert at the p50 step time)."""
+        cfg = self.spec.checkpoint
+        if cfg.interval.kind == "steps":
+            return cfg.interval.value or 1.0
+        seconds = self._checkpoint_seconds() or cfg.min_interval
+        return seconds / max(self.status.progress.step_seconds_p50, 1e-3)
+
     async def _command(self, kind: Literal["checkpoint", "exit"]) -> None:
         self.status.command_seq += 1
         command = Command(seq=self.status.command_seq, kind=kind)
-        await asyncio.gather(
-            *(
-                workflow.execute_activity_method(
-                    NodeActivities.send_command,
-                    NodeCommand(run_id=self.run_id, command=command),
-                    task_queue=node_queue(node),
-                    start_to_close_timeout=timedelta(seconds=30),
-                    summary=f"{node}: tell ranks to {kind}",
-                )
-                for node in self.spec.nodes
-            )
-        )
+        await asyncio.gather(*(calls.command(self.run_id, node, command) for node in self.spec.nodes))
 
     async def _cancel(self, handles: list[ActivityHandle | None]) -> None:
         live = [h for h in handles if h is not None and not h.done()]
@@ -392,20 +375,8 @@ class RunWorkflow:
             handle.cancel()
         await asyncio.gather(*live, return_exceptions=True)
 
-    async def _stop_everywhere(self) -> None:
-        await asyncio.gather(
-            *(
-                workflow.execute_activity_method(
-                    NodeActivities.stop_ranks,
-                    self.run_id,
-                    task_queue=node_queue(node),
-                    start_to_close_timeout=timedelta(minutes=1),
-                    summary=f"{node}: stop every rank of this run",
-                )
-                for node in self.spec.nodes
-            ),
-            return_exceptions=True,
-        )
+    async def _release(self) -> None:
+        await asyncio.gather(*(calls.release(self.run_id, node) for node in self.spec.nodes), return_exceptions=True)
 
     def _set_state(self, state: RunState) -> None:
         self.status.state = state
