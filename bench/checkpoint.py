@@ -1,0 +1,259 @@
+"""How long a checkpoint stops training: stayalive's async checkpoint against torch.save and DCP's async_save.
+
+A checkpoint costs a run the seconds its step is blocked (the `C` of Young/Daly), so that is the number
+to beat. One run measures, for the same ≥100M-parameter model with populated AdamW state:
+
+    stayalive    Checkpointer.save (copy into reused staging buffers), then tmpfs tier + fsynced storage
+    torch_save   synchronous torch.save of model + optimizer state dicts to one file, flushed and fsynced
+    dcp_async    torch.distributed.checkpoint.async_save of get_state_dict's model + optimizer state dicts
+
+Each method runs in its own process, so its peak memory is its own: the growth of the peak resident set
+over the peak right after the state was built. Blocking time counts from handing the state over (state
+dicts included) until training may continue; total time until the checkpoint is durable. Each method
+saves several times with a training step in between; "steady" is the median of the saves after the
+first (staging buffers already allocated). The bar: stayalive's steady blocking time is at most 10% of
+torch.save's and no worse than async_save's.
+
+    python -m bench.checkpoint [--quick] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from training.checkpointer import Checkpointer, Identity, MemoryTier
+from training.faults import FaultInjector
+from training.state import TrainState
+
+HIDDEN = 4096
+LAYERS = 6  # 6 × (4096² + 4096) = 100.7M parameters; with AdamW's two moments, 1.2 GB of state
+BATCH = 8
+REPO = Path(__file__).resolve().parent.parent
+
+SaveFn = Callable[[TrainState], tuple[float, float]]  # one checkpoint → (blocking s, total s)
+
+
+@dataclass
+class Measured:
+    params: int
+    blocking_s: list[float]
+    total_s: list[float]
+    peak_mib: float
+    tmpfs_mib: float = 0.0  # left in host memory outside the process (stayalive's memory tier)
+
+    @property
+    def steady_blocking_s(self) -> float:
+        return statistics.median(self.blocking_s[1:])
+
+    @property
+    def steady_total_s(self) -> float:
+        return statistics.median(self.total_s[1:])
+
+
+# ── in the worker process: one method ────────────────────────────────────────────────────────────────
+
+
+def build_state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)))
+    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    train_step(state)  # AdamW allocates exp_avg / exp_avg_sq on its first step
+    return state
+
+
+def train_step(state: TrainState) -> None:
+    loss = state.model(torch.randn(BATCH, HIDDEN)).pow(2).mean()
+    loss.backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.step += 1
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@contextmanager
+def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
+    checkpointer = Checkpointer(
+        directory=storage,
+        rank=0,
+        world_size=1,
+        store=dist.HashStore(),
+        identity=Identity(run_id="bench/00000000", generation=0, config_digest="bench", model={}, global_batch=1),
+        tier=MemoryTier(directory=tmpfs, replica_hub=None, hubs=[]),
+        faults=FaultInjector([], 0, 0),
+        on_commit=lambda manifest, path: None,
+    )
+
+    def save(state: TrainState) -> tuple[float, float]:
+        started = time.perf_counter()
+        blocking = checkpointer.save(state)
+        checkpointer.wait()
+        return blocking, time.perf_counter() - started
+
+    yield save
+
+
+@contextmanager
+def torch_save(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
+    def save(state: TrainState) -> tuple[float, float]:
+        started = time.perf_counter()
+        with open(storage / f"step-{state.step:08d}.pt", "wb") as f:
+            torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        elapsed = time.perf_counter() - started
+        return elapsed, elapsed
+
+    yield save
+
+
+@contextmanager
+def dcp_async(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
+    # A single-rank gloo group, as a real job would have; without one DCP falls back to a no-dist save.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def save(state: TrainState) -> tuple[float, float]:
+        started = time.perf_counter()
+        model, optimizer = get_state_dict(state.model, state.optimizer)
+        response = dcp.async_save(
+            {"model": model, "optimizer": optimizer}, checkpoint_id=storage / f"step-{state.step:08d}"
+        )
+        blocking = time.perf_counter() - started
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        upload.result()
+        return blocking, time.perf_counter() - started
+
+    try:
+        yield save
+    finally:
+        dist.destroy_process_group()
+
+
+SAVERS: dict[str, Callable[[Path, Path], AbstractContextManager[SaveFn]]] = {
+    "stayalive": stayalive,
+    "torch_save": torch_save,
+    "dcp_async": dcp_async,
+}
+
+
+def run_method(method: str, saves: int, storage: Path, tmpfs: Path) -> Measured:
+    state = build_state()
+    baseline = peak_rss_mib()
+    timings: list[tuple[float, float]] = []
+    with SAVERS[method](storage, tmpfs) as save:
+        for index in range(saves):
+            if index:
+                train_step(state)
+            timings.append(save(state))
+    return Measured(
+        params=sum(p.numel() for p in state.model.parameters()),
+        blocking_s=[blocking for blocking, _ in timings],
+        total_s=[total for _, total in timings],
+        peak_mib=peak_rss_mib() - baseline,
+    )
+
+
+# ── in the parent process: every method in its own worker, then the comparison ──────────────────────
+
+
+def measure(method: str, saves: int, storage_root: Path, tmpfs_root: Path) -> Measured:
+    storage, tmpfs = storage_root / method, tmpfs_root / method
+    storage.mkdir()
+    tmpfs.mkdir()
+    argv = [sys.executable, "-m", "bench.checkpoint", "--worker", method, "--saves", str(saves)]
+    argv += ["--storage", str(storage), "--tmpfs", str(tmpfs)]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{method} failed (exit {done.returncode}):\n{done.stderr}")
+    measured = Measured(**json.loads(done.stdout.splitlines()[-1]))
+    measured.tmpfs_mib = sum(f.stat().st_size for f in tmpfs.rglob("*") if f.is_file()) / 2**20
+    return measured
+
+
+@contextmanager
+def scratch(storage_parent: str) -> Iterator[tuple[Path, Path]]:
+    """A storage directory under `storage_parent` and a host-memory one on /dev/shm, both removed after."""
+    with (
+        tempfile.TemporaryDirectory(dir=storage_parent, prefix="stayalive-bench-") as storage,
+        tempfile.TemporaryDirectory(dir="/dev/shm", prefix="stayalive-bench-") as tmpfs,
+    ):
+        yield Path(storage), Path(tmpfs)
+
+
+def summary(results: dict[str, Measured], saves: int) -> dict[str, object]:
+    ours, sync, dcp_ = results["stayalive"], results["torch_save"], results["dcp_async"]
+    line: dict[str, object] = {"bench": "checkpoint", "params": ours.params, "saves": saves}
+    for method, measured in results.items():
+        line[f"{method}_blocking_first_s"] = round(measured.blocking_s[0], 4)
+        line[f"{method}_blocking_s"] = round(measured.steady_blocking_s, 4)
+        line[f"{method}_total_s"] = round(measured.steady_total_s, 3)
+        line[f"{method}_peak_mib"] = round(measured.peak_mib)
+    line["stayalive_tmpfs_mib"] = round(ours.tmpfs_mib)
+    line["blocking_vs_torch_save"] = round(ours.steady_blocking_s / sync.steady_blocking_s, 4)
+    line["blocking_vs_dcp_async"] = round(ours.steady_blocking_s / dcp_.steady_blocking_s, 4)
+    line["bar"] = ours.steady_blocking_s <= 0.10 * sync.steady_blocking_s and (
+        ours.steady_blocking_s <= dcp_.steady_blocking_s
+    )
+    return line
+
+
+def table(results: dict[str, Measured], saves: int) -> Table:
+    params = next(iter(results.values())).params
+    grid = Table(title=f"Checkpoint of {params / 1e6:.1f}M parameters + AdamW state, {saves} saves per method")
+    for column in ("method", "blocking s (first)", "blocking s (steady)", "total s (steady)", "peak +MiB", "tmpfs MiB"):
+        grid.add_column(column, justify="left" if column == "method" else "right")
+    for method, m in results.items():
+        grid.add_row(
+            method,
+            f"{m.blocking_s[0]:.3f}",
+            f"{m.steady_blocking_s:.3f}",
+            f"{m.steady_total_s:.2f}",
+            f"{m.peak_mib:.0f}",
+            f"{m.tmpfs_mib:.0f}",
+        )
+    return grid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 saves per method instead of 4 (same model)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the storage temp dir goes")
+    parser.add_argument("--worker", choices=SAVERS, help=argparse.SUPPRESS)
+    parser.add_argument("--saves", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--storage", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tmpfs", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(asdict(run_method(args.worker, args.saves, args.storage, args.tmpfs))))
+        return
+    saves = 2 if args.quick else 4
+    with scratch(args.dir) as (storage, tmpfs):
+        results = {method: measure(method, saves, storage, tmpfs) for method in SAVERS}
+    Console().print(table(results, saves))
+    print(json.dumps(summary(results, saves)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Retention by the rule of seed 003 R6, never a bare constant."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from core.retention import keep_count, to_delete
+from core.run import CheckpointRecord
+
+START = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("sdc_check", "checkpoint", "keep"),
+    [
+        (33.0, 13.6, 10),  # seed R6: 3 × (33 min / 13.6 min) + 2 ≈ 9.3, so at least 10 are kept
+        (100, 50, 8),
+        (1000, 1000, 5),
+        (100, 1000, 3),  # checks more often than checkpoints: the newest checkpoints are enough
+    ],
+)
+def test_keep_count_follows_the_detection_window(sdc_check: float, checkpoint: float, keep: int) -> None:
+    assert keep_count(sdc_check, checkpoint) == keep
+
+
+def record(step: int, hours: float, validated: bool | None = True) -> CheckpointRecord:
+    return CheckpointRecord(
+        step=step,
+        path=f"/ckpt/step-{step:08d}-g0",
+        generation=0,
+        blocking_seconds=0.1,
+        written_at=START + timedelta(hours=hours),
+        validated=validated,
+    )
+
+
+def test_old_checkpoints_go_but_milestones_and_pending_ones_stay() -> None:
+    # One checkpoint an hour for 14 hours; checks every 100 steps, checkpoints every 100 steps: keep 5.
+    history = [record(100 * (h + 1), h + 0.5) for h in range(14)]
+    history.append(record(1500, 14.5, validated=None))  # still being validated
+    history.append(record(1600, 14.7, validated=False))  # failed validation
+    dropped = {c.step for c in to_delete(history, START, sdc_check_steps=100, checkpoint_steps=100)}
+    newest_five = {1000, 1100, 1200, 1300, 1400}
+    milestones = {100, 700, 1300}  # the first valid checkpoint of hours 0-6, 6-12, 12-18
+    assert dropped == {c.step for c in history} - newest_five - milestones - {1500}
+    assert 1600 in dropped
+
+
+def test_deleted_checkpoints_are_not_deleted_twice() -> None:
+    history = [record(100 * (i + 1), 0.1 * i) for i in range(12)]
+    history[0].deleted = True
+    assert all(not c.deleted for c in to_delete(history, START, 100, 100))

@@ -1,0 +1,123 @@
+"""Checkpoints a run can lean on: exact resume, corruption caught and never resumed from, restore from
+a peer's host memory when storage is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from temporalio.client import Client
+
+from core.run import Cause, CheckpointRecord, RunState
+from tests.helpers import rank_pids, start, tiny_spec, wait_until
+from training.checkpoint import load_checkpoint
+from workers.devstack import DevStack
+from workflows.run import RunWorkflow
+
+TARGET = 60
+
+
+def final_state(checkpoints: list[CheckpointRecord]) -> dict[str, torch.Tensor]:
+    final = next(c for c in checkpoints if c.step == TARGET and c.validated)
+    _, tensors = load_checkpoint(Path(final.path))
+    return {name: t for name, t in tensors.items() if name.startswith(("model/", "optim/"))}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+async def uninterrupted(
+    client: Client, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[dict[str, torch.Tensor]]:
+    """Parameters and optimizer state of the reference run: same spec, same world size, no fault."""
+    spec = tiny_spec(tmp_path_factory.mktemp("reference"), target_step=TARGET)
+    handle = await start(client, spec, "reference")
+    assert (await handle.result()).state == RunState.COMPLETED
+    yield final_state(await handle.query(RunWorkflow.checkpoints))
+
+
+async def test_killed_three_times_ends_bitwise_identical(
+    client: Client, checkpoint_root: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    crashes = [
+        {"kind": "crash", "rank": 1, "at_step": 13, "generation": 0},
+        {"kind": "crash", "rank": 2, "at_step": 27, "generation": 1},
+        {"kind": "crash", "rank": 0, "at_step": 44, "generation": 2},
+    ]
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=TARGET, faults=crashes), "three-kills")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert [(i.cause, i.rank) for i in result.interruptions] == [(Cause.CRASH, 1), (Cause.CRASH, 2), (Cause.CRASH, 0)]
+    assert [i.resumed_from for i in result.interruptions] == [10, 20, 40]
+    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), uninterrupted)
+
+
+DAMAGE = {
+    "truncate_shard": "bytes, manifest says",
+    "flip_byte": "does not match its SHA-256",
+    "delete_shard": "is missing",
+    "delete_manifest": "has no manifest.json",
+    "edit_manifest": "edited after it was written",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+async def test_a_damaged_checkpoint_is_caught_and_never_resumed_from(
+    client: Client, checkpoint_root: Path, damage: str
+) -> None:
+    faults = [
+        {"kind": "corrupt_checkpoint", "at_step": 20, "damage": damage, "shard": 2},
+        {"kind": "crash", "rank": 1, "at_step": 25},
+    ]
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=40, faults=faults), f"damage-{damage}")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert [(i.cause, i.resumed_from) for i in result.interruptions] == [(Cause.CRASH, 10)]
+    checkpoints = await handle.query(RunWorkflow.checkpoints)
+    damaged = next(c for c in checkpoints if c.step == 20 and c.generation == 0)
+    assert damaged.validated is False
+    assert DAMAGE[damage] in damaged.reason
+
+
+async def test_a_writer_killed_mid_write_leaves_nothing_to_resume_from(client: Client, checkpoint_root: Path) -> None:
+    faults = [{"kind": "crash", "rank": 2, "at_step": 20, "during": "checkpoint_write"}]
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=40, faults=faults), "killed-writer")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert [(i.cause, i.rank, i.resumed_from) for i in result.interruptions] == [(Cause.CRASH, 2, 10)]
+    checkpoints = await handle.query(RunWorkflow.checkpoints)
+    torn = next(c for c in checkpoints if c.step == 20 and c.generation == 0)
+    assert torn.validated is False and "never committed" in torn.reason
+    assert not list(Path(torn.path).parent.glob(".step-*.tmp")), "the torn write was cleaned up"
+
+
+async def test_replacement_restores_from_the_peer_copy_when_storage_is_gone(
+    client: Client, stack: DevStack, checkpoint_root: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=TARGET), "peer-copy")
+    status = await wait_until(handle, lambda s: any(c.validated and c.step >= 20 for c in s.checkpoints))
+    os.kill((await rank_pids(client, handle))["n2"][3], signal.SIGKILL)
+    # Before the replacement starts: every checkpoint on storage becomes unreadable, and the dead
+    # rank's own host-memory copy goes too, so its shard can only come from its buddy's node (n1).
+    run_dir = checkpoint_root / status.run_id
+    for shard in run_dir.glob("step-*/shard-*.safetensors"):
+        os.truncate(shard, 0)
+    local = stack.memory_dir / "n2" / status.run_id
+    lost = list(local.glob("step-*/shard-00003.safetensors"))
+    assert lost, "rank 3's node held its own shard in memory"
+    for shard in lost:
+        shard.unlink()
+    assert list((stack.memory_dir / "n1" / status.run_id).glob("step-*/shard-00003.safetensors"))
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert [(i.cause, i.restored_from) for i in result.interruptions] == [(Cause.CRASH, "memory")]
+    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), uninterrupted)
