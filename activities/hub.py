@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from core.launch import Endpoint
 from core.telemetry import (
@@ -99,6 +99,14 @@ class NodeHub:
             self.runs[run_id] = RunChannel(run_id=run_id, node=self.node)
         return self.runs[run_id]
 
+    async def send(self, run_id: str, rank: int, message: BaseModel) -> None:
+        """One message to one rank (a Rejoin is personal: each rank gets its own place)."""
+        writer = self.run(run_id).ranks.get(rank)
+        if writer is None:
+            raise ConnectionError(f"rank {rank} of {run_id} is not connected to {self.node}")
+        writer.write(message.model_dump_json().encode() + b"\n")
+        await writer.drain()
+
     async def command(self, run_id: str, command: Command) -> int:
         """Send a command to every connected rank of the run; returns how many it reached."""
         line = command.model_dump_json().encode() + b"\n"
@@ -128,14 +136,21 @@ class NodeHub:
 
     async def _receive(self, hello: Hello, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = self.run(hello.run_id)
-        channel.ranks[hello.rank] = writer
+        rank = hello.rank
+        channel.ranks[rank] = writer
         channel.append(hello)
         try:
             while line := await reader.readline():
-                channel.append(rank_message.validate_json(line))
+                message = rank_message.validate_json(line)
+                if isinstance(message, Hello):  # the process rejoined under a new rank: refile its line
+                    if channel.ranks.get(rank) is writer:
+                        del channel.ranks[rank]
+                    rank = message.rank
+                    channel.ranks[rank] = writer
+                channel.append(message)
         finally:
-            if channel.ranks.get(hello.rank) is writer:
-                del channel.ranks[hello.rank]
+            if channel.ranks.get(rank) is writer:
+                del channel.ranks[rank]
 
     async def _keep_file(self, put: PutFile, reader: asyncio.StreamReader) -> None:
         """Keep a replica in this node's host-memory tier (written whole, then renamed into place)."""

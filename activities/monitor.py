@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.telemetry import records
 from core.events import FirstStep, MonitorEvent, MonitorInput
 from core.progress import ProgressTracker
-from core.telemetry import Resumed, StepReport
+from core.telemetry import Held, Resumed, StepReport
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -55,4 +56,25 @@ async def monitor_run(input: MonitorInput) -> MonitorEvent:
         if time.monotonic() >= next_heartbeat:
             activity.heartbeat({"after": after, "progress": tracker.summary().model_dump()})
             next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
+    raise AssertionError("the telemetry stream never ends")
+
+
+@activity.defn
+async def await_hold(input: MonitorInput) -> Held:
+    """Wait until every rank of the generation has finished the same step, checkpointed it and holds."""
+    after = resumed_cursor(input.after)
+    held: dict[int, Held] = {}
+    async for record in records(input.run_id, input.endpoints, after, only=["held"]):
+        if record is None:
+            activity.heartbeat({"after": after, "held": sorted(held)})
+            continue
+        after[record.node] = record.seq
+        message = record.message
+        if isinstance(message, Held) and message.generation == input.generation:
+            held[message.rank] = message
+            if len(held) == input.world_size:
+                steps = {h.step for h in held.values()}
+                if len(steps) != 1:  # cannot happen while ranks agree on commands; fail loudly if it does
+                    raise ApplicationError(f"ranks hold at different steps {sorted(steps)}", non_retryable=True)
+                return next(iter(held.values()))
     raise AssertionError("the telemetry stream never ends")

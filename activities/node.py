@@ -21,12 +21,12 @@ from activities.hub import NodeHub
 from activities.processes import RankProcess, start_rank, stop_ranks
 from core.events import NodeOutcome, RankFailed, RanksFinished
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env
-from core.telemetry import Command, RankExited
+from core.telemetry import Command, RankExited, Rejoin
 
 log = structlog.get_logger()
 
 
-class PrepareGeneration(BaseModel):
+class PrepareNode(BaseModel):
     run_id: str
     generation: int
     host_rendezvous: bool
@@ -49,12 +49,11 @@ class NodeActivities:
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
         self.stores: dict[str, dist.TCPStore] = {}
+        self.broken: set[str] = set()  # simulated hardware faults: the self-test sees them
 
     @activity.defn
-    async def prepare_generation(self, request: PrepareGeneration) -> NodeEndpoint:
-        """Stop this run's older ranks here; open a fresh rendezvous store if this node hosts it."""
-        stale = [r for r in self.ranks.get(request.run_id, []) if r.generation < request.generation]
-        await stop_ranks(stale)
+    async def prepare_node(self, request: PrepareNode) -> NodeEndpoint:
+        """Say where this node's agent listens; open a fresh rendezvous store if this node hosts it."""
         rendezvous = None
         if request.host_rendezvous:
             # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.
@@ -67,10 +66,15 @@ class NodeActivities:
 
     @activity.defn
     async def run_ranks(self, launch: NodeLaunch) -> NodeOutcome:
-        """Start this node's ranks of one generation, then watch them until one fails or all finish."""
+        """Start (or carry over) this node's ranks of one generation, then watch them until one fails or all
+        finish."""
+        self.broken |= set(launch.broken)
         ranks = [r for r in self.ranks.get(launch.run_id, []) if r.generation == launch.generation]
-        if not ranks:  # a retried activity finds its ranks already running
-            ranks = await self._start(launch)
+        if not ranks:  # a retried activity (or the next segment of a continued run) finds them running
+            carried = await self._rejoin(launch)
+            await stop_ranks([r for r in self.ranks.get(launch.run_id, []) if r not in carried])
+            self.ranks[launch.run_id] = carried
+            ranks = carried + await self._start(launch)
         channel = self.hub.run(launch.run_id)
         reaped: set[int] = set()
         while True:
@@ -122,18 +126,38 @@ class NodeActivities:
     async def send_command(self, request: NodeCommand) -> int:
         return await self.hub.command(request.run_id, request.command)
 
+    def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
+        return rank_env(launch, local_rank) | {
+            "STAYALIVE_AGENT": str(self.hub.endpoint),
+            "STAYALIVE_NODE": self.node,
+            "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
+        }
+
+    async def _rejoin(self, launch: NodeLaunch) -> list[RankProcess]:
+        """Hand each surviving process its place in the new generation; it keeps its memory and pid."""
+        alive = {r.rank: r for r in self.ranks.get(launch.run_id, []) if r.exit_code is None}
+        carried = []
+        for local_rank, rank in enumerate(launch.ranks):
+            if rank in launch.adopt and (process := alive.get(launch.adopt[rank])) is not None:
+                await self.hub.send(launch.run_id, process.rank, Rejoin(env=self._env(launch, local_rank)))
+                process.rank, process.generation = rank, launch.generation
+                carried.append(process)
+        if carried:
+            log.info("ranks rejoined", run_id=launch.run_id, node=self.node, ranks=[r.rank for r in carried])
+        return carried
+
     async def _start(self, launch: NodeLaunch) -> list[RankProcess]:
         argv = resolve_argv(launch.entrypoint)
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
         ranks = []
         for local_rank, rank in enumerate(launch.ranks):
-            env = rank_env(launch, local_rank) | {
-                "STAYALIVE_AGENT": str(self.hub.endpoint),
-                "STAYALIVE_NODE": self.node,
-                "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
-            }
+            if rank in launch.adopt:
+                continue
+            env = self._env(launch, local_rank)
             ranks.append(await start_rank(rank, launch.generation, argv, env, run_dir / f"rank-{rank}.log"))
-        self.ranks.setdefault(launch.run_id, []).extend(ranks)
+        if not ranks:
+            return ranks
+        self.ranks[launch.run_id] += ranks
         log.info(
             "ranks started",
             run_id=launch.run_id,

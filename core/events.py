@@ -28,6 +28,13 @@ class RankFailed(BaseModel):
     log_tail: str = ""
 
 
+class NodeLost(BaseModel):
+    """The node's agent stopped answering (dead host, partition, killed agent): a heartbeat timeout."""
+
+    node: str
+    detail: str
+
+
 NodeOutcome = Annotated[Union[RanksFinished, RankFailed], Field(discriminator="kind")]  # noqa: UP007
 
 

@@ -49,5 +49,17 @@ class CorruptCheckpoint(_Fault):
         return f"{self.damage.replace('_', ' ')} in the checkpoint of step {self.at_step}"
 
 
+class BrokenNode(_Fault):
+    """The node's hardware is bad in a way its self-test sees: the GEMM unit returns a wrong element,
+    or its collectives a wrong value. It stays bad for the rest of the node agent's life."""
+
+    kind: Literal["broken_node"] = "broken_node"
+    node: str
+    part: Literal["gemm", "collective"] = "gemm"
+
+    def __str__(self) -> str:
+        return f"broken {self.part} on {self.node}"
+
+
 # Each fault kind joins this union as the detector that catches it lands.
-Fault = Annotated[Union[Crash, CorruptCheckpoint], Field(discriminator="kind")]  # noqa: UP007
+Fault = Annotated[Union[Crash, CorruptCheckpoint, BrokenNode], Field(discriminator="kind")]  # noqa: UP007

@@ -17,10 +17,11 @@ class Ledger(BaseModel):
     checkpoint: float
     lost: float
     recovery: float
+    idle: float = 0.0  # waiting for a person or for nodes
 
     @property
     def productive(self) -> float:
-        return max(0.0, self.wall - self.startup - self.checkpoint - self.lost - self.recovery)
+        return max(0.0, self.wall - self.startup - self.checkpoint - self.lost - self.recovery - self.idle)
 
     @property
     def goodput(self) -> float:
@@ -38,4 +39,5 @@ def ledger(status: RunStatus, now: datetime) -> Ledger:
         checkpoint=sum(c.blocking_seconds for c in status.checkpoints),
         lost=sum((i.lost_steps or 0) * step_seconds for i in status.interruptions),
         recovery=sum(i.restart_seconds or 0.0 for i in status.interruptions),
+        idle=sum(i.idle_seconds for i in status.interruptions),
     )

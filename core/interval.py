@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.run import RunStatus
 
 
 def young(c: float, m: float) -> float:
@@ -30,3 +35,27 @@ def mtbf(observed_seconds: float, interruptions: int, prior_mtbf: float, prior_w
 
 def interval(c: float, m: float, low: float, high: float) -> float:
     return min(max(daly(c, m), low), high)
+
+
+def checkpoint_seconds(status: RunStatus, now: datetime) -> float | None:
+    """The interval ranks should checkpoint at, in seconds (None: the spec fixes it in steps).
+    `auto` recomputes Daly's interval from the newest measured C and the run's MTBF so far."""
+    cfg = status.spec.checkpoint
+    if cfg.interval.kind == "seconds":
+        return cfg.interval.value
+    if cfg.interval.kind != "auto":
+        return None
+    measured = [c.blocking_seconds for c in status.checkpoints if c.validated]
+    if not measured or status.started_at is None:
+        return cfg.min_interval  # the first checkpoint comes early: it measures C
+    m = mtbf((now - status.started_at).total_seconds(), len(status.interruptions), cfg.prior_mtbf)
+    return interval(measured[-1], m, cfg.min_interval, cfg.max_interval)
+
+
+def checkpoint_steps(status: RunStatus, now: datetime) -> float:
+    """The checkpoint interval in steps (time-based intervals convert at the p50 step time)."""
+    cfg = status.spec.checkpoint
+    if cfg.interval.kind == "steps":
+        return cfg.interval.value or 1.0
+    seconds = checkpoint_seconds(status, now) or cfg.min_interval
+    return seconds / max(status.progress.step_seconds_p50, 1e-3)

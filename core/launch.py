@@ -42,6 +42,33 @@ class NodeLaunch(BaseModel):
     rendezvous: Endpoint
     entrypoint: list[str]
     env: dict[str, str]
+    # Survivors of a hold: new rank → the rank the process had. They rejoin in place; every other
+    # rank of `ranks` is started fresh.
+    adopt: dict[int, int] = {}
+    broken: list[str] = []  # simulated hardware faults of this node (fault plan `broken_node`)
+
+
+class Membership(BaseModel):
+    """The next generation's nodes after a node leaves, and which live processes carry over."""
+
+    nodes: list[str]
+    adopt: dict[str, dict[int, int]]  # node → {new rank: old rank}
+    newcomers: list[str]  # nodes whose ranks start fresh and take their state from rank 0
+
+
+def without_node(nodes: list[str], drop: str, spare: str | None, ranks_per_node: int) -> Membership:
+    """A spare takes `drop`'s place (every rank keeps its id); without one the group shrinks and the
+    survivors are renumbered in node order."""
+    before = assign_ranks(nodes, ranks_per_node)
+    after_nodes = [spare if n == drop else n for n in nodes] if spare else [n for n in nodes if n != drop]
+    after = assign_ranks(after_nodes, ranks_per_node)
+    adopt = {n: dict(zip(after[n], before[n], strict=True)) for n in after_nodes if n in before}
+    return Membership(nodes=after_nodes, adopt=adopt, newcomers=[spare] if spare else [])
+
+
+def node_queue(node: str) -> str:
+    """Each node agent's own task queue: work for a host goes to that host (and times out if it is gone)."""
+    return f"node.{node}"
 
 
 def assign_ranks(nodes: list[str], ranks_per_node: int) -> dict[str, list[int]]:

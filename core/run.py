@@ -8,7 +8,8 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from core.goodput import Ledger
-from core.launch import NodeEndpoint
+from core.launch import Membership, NodeEndpoint
+from core.paging import Classification
 from core.spec import RunSpec
 
 
@@ -16,8 +17,12 @@ class RunState(StrEnum):
     PENDING = "PENDING"
     LAUNCHING = "LAUNCHING"
     RUNNING = "RUNNING"
+    CHECKPOINTING = "CHECKPOINTING"
     DIAGNOSING = "DIAGNOSING"
+    DRAINING = "DRAINING"
+    RESIZING = "RESIZING"
     RESUMING = "RESUMING"
+    STOPPED = "STOPPED"  # needs a human: paused, a deterministic failure, or too few nodes to go on
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -31,6 +36,9 @@ class Cause(StrEnum):
     CRASH = "crash"
     NODE_LOST = "node_lost"
     CHECKPOINT_INVALID = "checkpoint_invalid"
+    DRAIN = "drain"  # planned: a node taken out by a person or a detector
+    PAUSE = "pause"
+    ROLLBACK = "rollback"  # resume_from: a person sent the run back to an earlier checkpoint
 
 
 class Interruption(BaseModel):
@@ -46,8 +54,13 @@ class Interruption(BaseModel):
     resumed_from: int | None = Field(default=None, description="Checkpoint step the next generation loaded.")
     lost_steps: int | None = None
     restart_seconds: float | None = Field(default=None, description="Detection to first completed step.")
-    restored_from: str | None = Field(default=None, description="'memory' (host-memory tier) or 'storage'.")
+    restored_from: str | None = Field(
+        default=None, description="'memory' (host-memory tier), 'storage', or 'live' (survivors kept their state)."
+    )
     detail: str = ""
+    actions: list[str] = []
+    paging: Classification | None = None
+    idle_seconds: float = 0.0  # waiting for a person or for nodes (in goodput: idle, not recovery)
 
     def resumed_at(self, step: int) -> None:
         self.resumed_from = step
@@ -96,7 +109,14 @@ class RunStatus(BaseModel):
     progress: Progress = Progress()
     telemetry_cursor: dict[str, int] = {}  # the run monitor's, per node
     checkpoint_cursor: dict[str, int] = {}  # the checkpoint keeper's, per node
+    nodes: list[str] = []  # the current group's nodes, in rank order
+    spares_used: list[str] = []
     endpoints: list[NodeEndpoint] = []  # the current generation's node agents
+    # Set when the next generation keeps the survivors' processes (after a hold); None: fresh ranks.
+    membership: Membership | None = None
+    # Set before continue-as-new in the middle of a generation: the next segment re-attaches to the
+    # ranks, which never noticed.
+    reattach: bool = False
     interruptions: list[Interruption] = []
     checkpoints: list[CheckpointRecord] = []
     command_seq: int = 0
@@ -105,6 +125,10 @@ class RunStatus(BaseModel):
     @property
     def checkpoint_dir(self) -> str:
         return f"{self.spec.checkpoint.root.rstrip('/')}/{self.run_id}"
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.spec.ranks_per_node
 
     def latest_valid_checkpoint(self) -> CheckpointRecord | None:
         valid = [c for c in self.checkpoints if c.validated]

@@ -117,6 +117,7 @@ class RunSpec(_Spec):
     ranks_per_node: int = Field(ge=1)
     nodes: list[str] = Field(min_length=1)
     spare_nodes: list[str] = []
+    min_nodes: int = Field(default=1, ge=1, description="Below this many nodes the run waits for one to come back.")
     entrypoint: list[str] = Field(min_length=1)
     env: dict[str, str] = {}
     hooks: bool = Field(
@@ -170,11 +171,15 @@ class RunSpec(_Spec):
                 f"world_size is {self.world_size} but {len(self.nodes)} nodes × ranks_per_node "
                 f"{self.ranks_per_node} give {ranks} ranks: set world_size to {ranks}, or change nodes"
             )
+        if self.min_nodes > len(self.nodes):
+            raise ValueError(f"min_nodes {self.min_nodes} is more than the {len(self.nodes)} nodes listed: lower it")
         if self.hooks and self.target_step is None:
             raise ValueError("target_step is missing: a run with hooks trains to a target step (e.g. 1000)")
         if overlap := set(self.nodes) & set(self.spare_nodes):
             raise ValueError(f"{sorted(overlap)} are listed in both nodes and spare_nodes: a spare is not in the group")
         for fault in self.faults:
+            if (node := getattr(fault, "node", None)) is not None and node not in self.nodes + self.spare_nodes:
+                raise ValueError(f"fault {fault.kind} targets node {node}, which is neither in nodes nor spare_nodes")
             if (rank := getattr(fault, "rank", None)) is not None and rank >= self.world_size:
                 raise ValueError(f"fault {fault.kind} targets rank {rank}, but ranks are 0..{self.world_size - 1}")
             if not self.hooks:

@@ -60,6 +60,15 @@ class Resumed(_Message):
     seconds: float
 
 
+class Held(_Message):
+    """The rank finished the agreed step, its checkpoint is on storage, and it holds, touching no collective."""
+
+    t: Literal["held"] = "held"
+    rank: int
+    generation: int
+    step: int
+
+
 class Finished(_Message):
     t: Literal["finished"] = "finished"
     rank: int
@@ -78,18 +87,31 @@ class RankExited(_Message):
 
 
 RankMessage = Annotated[
-    Union[Hello, StepReport, CheckpointCommitted, Resumed, Finished, RankExited],  # noqa: UP007
+    Union[Hello, StepReport, CheckpointCommitted, Resumed, Held, Finished, RankExited],  # noqa: UP007
     Field(discriminator="t"),
 ]
 rank_message = TypeAdapter(RankMessage)
 
 
 class Command(_Message):
-    """A control command for every rank of a run. Ranks agree on the step at which they act on it."""
+    """A control command for every rank of a run. Ranks agree on the step at which they act on it:
+    `checkpoint` now; `hold` (finish the step, checkpoint, then wait for a Rejoin); `exit`."""
 
     t: Literal["command"] = "command"
     seq: int = Field(ge=1)
-    kind: Literal["checkpoint", "exit"]
+    kind: Literal["checkpoint", "hold", "exit"]
+
+
+class Rejoin(_Message):
+    """To a holding rank: join the next generation's group with this environment (the one a freshly
+    launched rank of that generation gets), keeping the process and its in-memory state."""
+
+    t: Literal["rejoin"] = "rejoin"
+    env: dict[str, str]
+
+
+ToRank = Annotated[Union[Command, Rejoin], Field(discriminator="t")]  # noqa: UP007
+to_rank = TypeAdapter(ToRank)
 
 
 class Record(_Message):

@@ -17,7 +17,13 @@ from workers.supervisor import connect
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     dev = DevStack(
-        state_dir=tmp_path_factory.mktemp("stack"), nodes=NODES, port=free_port(), ui_port=None, workdir=ROOT
+        state_dir=tmp_path_factory.mktemp("stack"),
+        nodes=NODES,
+        spares=["n3"],
+        racks={"n1": "rack-a", "n2": "rack-a", "n3": "rack-b"},
+        port=free_port(),
+        ui_port=None,
+        workdir=ROOT,
     )
     dev.start()
     yield dev

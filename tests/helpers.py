@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
         "ranks_per_node": 2,
         "nodes": ["n1", "n2"],
         "spare_nodes": ["n3"],
+        "min_nodes": 2,  # keep the width: results compare bitwise with a run of the same world size
         "entrypoint": ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8"],
         "target_step": 40,
         "checkpoint": {"root": str(checkpoint_root), "interval": "10 steps"},
@@ -71,14 +73,25 @@ async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[in
 
 
 class RecordCollector:
-    """Everything a run's node agents receive, read live the way the run monitor reads it (the
-    agents forget a run's records once it is released)."""
+    """Everything a run's node agents receive, read live the way the run monitor reads it, from every
+    node the run uses (a spare joins later). Agents forget a run's records once it is released."""
 
-    def __init__(self, status: RunStatus) -> None:
+    def __init__(self, handle: WorkflowHandle) -> None:
         self.records: list[Record] = []
-        self._tasks = [
-            asyncio.create_task(self._follow(e.hub.host, e.hub.port, status.run_id)) for e in status.endpoints
-        ]
+        self._followed: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watch = asyncio.create_task(self._watch_endpoints(handle))
+
+    async def _watch_endpoints(self, handle: WorkflowHandle) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                status = await handle.query(RunWorkflow.status_query)
+                for endpoint in status.endpoints:
+                    if endpoint.node not in self._followed:
+                        self._followed.add(endpoint.node)
+                        follow = self._follow(endpoint.hub.host, endpoint.hub.port, status.run_id)
+                        self._tasks.append(asyncio.create_task(follow))
+            await asyncio.sleep(0.2)
 
     async def _follow(self, host: str, port: int, run_id: str) -> None:
         reader, writer = await asyncio.open_connection(host, port)
@@ -91,7 +104,7 @@ class RecordCollector:
             writer.close()
 
     def stop(self) -> list[Record]:
-        for task in self._tasks:
+        for task in [self._watch, *self._tasks]:
             task.cancel()
         return self.records
 

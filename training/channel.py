@@ -14,7 +14,7 @@ import threading
 import structlog
 from pydantic import BaseModel
 
-from core.telemetry import Command
+from core.telemetry import ToRank, to_rank
 
 log = structlog.get_logger()
 
@@ -25,7 +25,7 @@ class AgentChannel:
         self._sock = socket.create_connection((host, int(port)), timeout=10)
         self._sock.settimeout(None)
         self._outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=100_000)
-        self._inbox: queue.Queue[Command] = queue.Queue()
+        self._inbox: queue.Queue[ToRank] = queue.Queue()
         self.dropped = 0
         self.send(hello)
         self._writer = threading.Thread(target=self._write, name="stayalive-channel-writer", daemon=True)
@@ -39,13 +39,21 @@ class AgentChannel:
         except queue.Full:
             self.dropped += 1  # telemetry is best-effort; a step is never held up for it
 
-    def commands(self) -> list[Command]:
+    def received(self) -> list[ToRank]:
+        """What the agent sent since the last call, without waiting."""
         received = []
         while True:
             try:
                 received.append(self._inbox.get_nowait())
             except queue.Empty:
                 return received
+
+    def next(self, timeout: float) -> ToRank | None:
+        """Wait for the agent's next message (None on timeout)."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is queued (the final reports matter), then hang up."""
@@ -66,6 +74,6 @@ class AgentChannel:
     def _read(self) -> None:
         try:
             for line in self._sock.makefile("rb"):
-                self._inbox.put(Command.model_validate_json(line))
+                self._inbox.put(to_rank.validate_json(line))
         except (OSError, ValueError) as exc:
             log.warning("agent channel read failed", error=str(exc))

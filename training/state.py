@@ -35,6 +35,9 @@ class TrainState:
         return [{k: _json_safe(v) for k, v in g.items()} for g in self.optimizer.state_dict()["param_groups"]]
 
     def restore(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+        self.load(manifest.step, manifest.optimizer_param_groups, tensors)
+
+    def load(self, step: int, param_groups: list[dict[str, object]], tensors: dict[str, torch.Tensor]) -> None:
         model = {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}
         self.model.load_state_dict(model, strict=True)
         optim: dict[int, dict[str, torch.Tensor]] = {}
@@ -42,8 +45,8 @@ class TrainState:
             if name.startswith("optim/"):
                 _, index, key = name.split("/", 2)
                 optim.setdefault(int(index), {})[key] = t
-        self.optimizer.load_state_dict({"state": optim, "param_groups": manifest.optimizer_param_groups})
-        self.step = manifest.step
+        self.optimizer.load_state_dict({"state": optim, "param_groups": param_groups})
+        self.step = step
 
 
 def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
@@ -59,12 +62,17 @@ def python_rng() -> tuple[int, list[int], float | None]:
     return version, list(internal), gauss_next
 
 
+def reseed(step: int, rank: int) -> None:
+    """A fresh, reproducible RNG stream for a rank that has no saved one (a newcomer, a wider world)."""
+    seed = int.from_bytes(hashlib.blake2b(f"{step}:{rank}".encode(), digest_size=8).digest(), "little")
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def restore_rng(manifest: Manifest, tensors: dict[str, torch.Tensor], rank: int) -> None:
     """Restore this rank's RNG streams; a rank the checkpoint did not have gets a fresh, reproducible seed."""
     if (state := tensors.get(f"rng/{rank}/torch")) is None:
-        seed = int.from_bytes(hashlib.blake2b(f"{manifest.step}:{rank}".encode(), digest_size=8).digest(), "little")
-        random.seed(seed)
-        torch.manual_seed(seed)
+        reseed(manifest.step, rank)
         return
     torch.set_rng_state(state)
     if torch.cuda.is_available():

@@ -1,9 +1,9 @@
 """The hooks that make a training loop supervised: telemetry up, agreed control decisions down.
 
-The node agent launches a rank with `STAYALIVE_*` variables; `Supervision.from_env` reads them.
+The node agent launches a rank with `STAYALIVE_*` variables; `SupervisionConfig.from_env` reads them.
 Commands reach ranks on different nodes at slightly different times, so after every step all
-ranks take the maximum of what each has seen (one tiny all-reduce): every rank then checkpoints
-or stops at the same step, which is what keeps a checkpoint consistent across ranks.
+ranks take the maximum of what each has seen (one tiny all-reduce): every rank then checkpoints,
+holds or stops at the same step, which is what keeps a checkpoint consistent across ranks.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
 from core.faults import Fault
-from core.telemetry import Hello
+from core.telemetry import Command, Rejoin
 from training import memory
 from training.channel import AgentChannel
 from training.checkpointer import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
+_KINDS = ("checkpoint", "hold", "exit")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SupervisionConfig:
     every_steps: int | None = None
     every_seconds: float | None = None
     resume_from: Path | None = None
+    state_from_rank0: bool = False  # this generation has newcomers: rank 0 hands everyone the live state
     faults: list[Fault] = field(default_factory=list)
     memory_dir: Path | None = None
     hubs: list[str] = field(default_factory=list)  # every node's agent, in node order
@@ -62,6 +64,7 @@ class SupervisionConfig:
             if "STAYALIVE_CHECKPOINT_EVERY_SECONDS" in env
             else None,
             resume_from=Path(env["STAYALIVE_RESUME_FROM"]) if env.get("STAYALIVE_RESUME_FROM") else None,
+            state_from_rank0=env.get("STAYALIVE_STATE_FROM_RANK0") == "1",
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
             memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,
             hubs=json.loads(env.get("STAYALIVE_HUBS", "[]")),
@@ -81,53 +84,59 @@ class SupervisionConfig:
 @dataclass(frozen=True)
 class Decision:
     checkpoint: bool
+    hold: bool
     stop: bool
 
 
 class Supervision:
-    def __init__(self, config: SupervisionConfig, rank: int, world_size: int) -> None:
+    """One generation's view: this rank, this group, the agent's channel (which outlives generations)."""
+
+    def __init__(self, config: SupervisionConfig, rank: int, world_size: int, channel: AgentChannel | None) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
-        self.channel = (
-            AgentChannel(
-                config.agent,
-                Hello(run_id=config.run_id, rank=rank, generation=config.generation, pid=os.getpid()),
-            )
-            if config.agent
-            else None
-        )
-        self._seen = {"checkpoint": 0, "exit": 0}  # highest command seq received, per kind
-        self._acted = {"checkpoint": 0, "exit": 0}  # highest command seq all ranks acted on
+        self.channel = channel
+        self._seen = dict.fromkeys(_KINDS, 0)  # highest command seq received, per kind
+        self._acted = dict.fromkeys(_KINDS, 0)  # highest command seq all ranks acted on
         self._last_checkpoint = time.monotonic()
 
     def decide(self, step: int) -> Decision:
-        """After `step`, agree with every rank whether to checkpoint now and whether to stop."""
+        """After `step`, agree with every rank whether to checkpoint now, hold, or stop."""
         if self.channel is not None:
-            for command in self.channel.commands():
-                self._seen[command.kind] = max(self._seen[command.kind], command.seq)
+            for message in self.channel.received():
+                if isinstance(message, Command):
+                    self._seen[message.kind] = max(self._seen[message.kind], message.seq)
         every = self.config.every_seconds
         due_by_time = every is not None and time.monotonic() - self._last_checkpoint >= every
-        votes = torch.tensor([self._seen["checkpoint"], self._seen["exit"], int(due_by_time)], dtype=torch.int64)
+        votes = torch.tensor([*(self._seen[k] for k in _KINDS), int(due_by_time)], dtype=torch.int64)
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        checkpoint_seq, exit_seq, due = (int(v) for v in votes)
+        checkpoint_seq, hold_seq, exit_seq, due = (int(v) for v in votes)
         every_steps = self.config.every_steps
+        hold = hold_seq > self._acted["hold"]
         checkpoint = (
-            checkpoint_seq > self._acted["checkpoint"]
+            hold
+            or checkpoint_seq > self._acted["checkpoint"]
             or bool(due)
             or (every_steps is not None and step % every_steps == 0)
             or step == self.config.target_step
         )
         stop = exit_seq > self._acted["exit"]
-        self._acted = {"checkpoint": checkpoint_seq, "exit": exit_seq}
+        self._acted = {"checkpoint": checkpoint_seq, "hold": hold_seq, "exit": exit_seq}
         if checkpoint:
             self._last_checkpoint = time.monotonic()
-        return Decision(checkpoint=checkpoint, stop=stop)
+        return Decision(checkpoint=checkpoint, hold=hold, stop=stop)
+
+    def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:
+        """Holding: wait for the next generation's membership; None means exit (told to, or nobody called)."""
+        deadline = time.monotonic() + timeout
+        while self.channel is not None and (left := deadline - time.monotonic()) > 0:
+            message = self.channel.next(timeout=left)
+            if isinstance(message, Rejoin):
+                return message
+            if isinstance(message, Command) and message.kind == "exit":
+                return None
+        return None
 
     def report(self, message: BaseModel) -> None:
         if self.channel is not None:
             self.channel.send(message)
-
-    def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()

@@ -4,6 +4,9 @@ Data parallel with one explicit gradient all-reduce per step. DistributedDataPar
 bucketed all-reduces with backward, which hides where a rank's compute ends (the straggler signal,
 DESIGN §5) and re-buckets after the first step (changing the summation layout, so a resumed run
 would not be bitwise equal to an uninterrupted one). One flat all-reduce has neither problem.
+
+A process may live through several generations: when told to hold, it checkpoints, waits, and
+joins the next generation's group in place (training/elastic.py).
 """
 
 from __future__ import annotations
@@ -13,16 +16,20 @@ import os
 import sys
 import time
 from datetime import timedelta
+from enum import Enum
 
 import structlog
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 
 from core.launch import EXIT_CHECKPOINT_UNUSABLE
-from core.telemetry import CheckpointCommitted, Finished, Resumed, StepReport
+from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport
+from training.channel import AgentChannel
 from training.checkpoint import CheckpointError, Manifest, within_root
 from training.checkpointer import Checkpointer, Identity
 from training.corpus import Corpus, SampleStream, generate_text
+from training.elastic import state_from_rank0
 from training.faults import FaultInjector
 from training.gpt import GPT, PRESETS, GPTConfig
 from training.logs import configure_logging
@@ -31,6 +38,11 @@ from training.state import TrainState, restore_rng
 from training.supervision import Supervision, SupervisionConfig
 
 log = structlog.get_logger()
+
+
+class Outcome(Enum):
+    DONE = "done"  # reached the target step, or told to stop
+    HELD = "held"  # checkpointed at an agreed step and waiting for the next generation
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +70,7 @@ def train(
     supervision: Supervision,
     checkpointer: Checkpointer,
     faults: FaultInjector,
-) -> None:
+) -> Outcome:
     rank, world_size, generation = supervision.rank, supervision.world_size, supervision.config.generation
     params = list(state.model.parameters())
     for step in range(state.step + 1, supervision.config.target_step + 1):
@@ -89,82 +101,121 @@ def train(
         )
         if decision.checkpoint:
             checkpointer.save(state)
+        if decision.hold:
+            return Outcome.HELD
         if decision.stop:
             log.info("stopping on command")
             break
+    return Outcome.DONE
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    config = SupervisionConfig.from_env()
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=rank)
-    if args.global_batch < world_size:
-        raise SystemExit(f"--global-batch {args.global_batch} is smaller than the world size {world_size}")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))
-    supervision = Supervision(config, rank, world_size)
+class Trainer:
+    """One rank's process: the model and data built once, then one generation after another."""
 
-    corpus = Corpus(generate_text(args.seed))
-    gpt_config = GPTConfig(vocab_size=corpus.vocab_size, **PRESETS[args.preset])
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT(gpt_config)
-    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
-    faults = FaultInjector(config.faults, rank, config.generation)
-    tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if config.resume_from is not None:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        torch.set_num_threads(args.threads)
+        corpus = Corpus(generate_text(args.seed))
+        self.gpt_config = GPTConfig(vocab_size=corpus.vocab_size, **PRESETS[args.preset])
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = GPT(self.gpt_config)
+        self.state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
+        self.stream = SampleStream(corpus, self.gpt_config.block_size, args.global_batch, args.seed)
+        self.channel: AgentChannel | None = None
+
+    def report(self, message: BaseModel) -> None:
+        if self.channel is not None:
+            self.channel.send(message)
+
+    def run(self) -> None:
+        while self.generation():
+            pass
+        if self.channel is not None:
+            self.channel.close()
+
+    def generation(self) -> bool:
+        """Train one generation; True if this process goes on into the next one."""
+        config = SupervisionConfig.from_env()
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=rank)
+        if self.args.global_batch < world_size:
+            raise SystemExit(f"--global-batch {self.args.global_batch} is smaller than the world size {world_size}")
+        hello = Hello(run_id=config.run_id, rank=rank, generation=config.generation, pid=os.getpid())
+        if self.channel is None and config.agent:
+            self.channel = AgentChannel(config.agent, hello)
+        else:
+            self.report(hello)  # the agent files this connection under the new rank and generation
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=self.args.collective_timeout))
+        supervision = Supervision(config, rank, world_size, self.channel)
+        self.load(config, rank, world_size)
+        faults = FaultInjector(config.faults, rank, config.generation)
+        checkpointer = self.checkpointer(config, rank, world_size, faults)
+        outcome = train(self.state, self.stream, supervision, checkpointer, faults)
+        checkpointer.wait()
+        if outcome is Outcome.DONE:
+            self.report(Finished(rank=rank, generation=config.generation, step=self.state.step))
+            dist.destroy_process_group()
+            return False
+        self.report(Held(rank=rank, generation=config.generation, step=self.state.step))
+        rejoin = supervision.await_rejoin()
+        dist.destroy_process_group()  # nothing is pending: every rank stopped after the same step
+        if rejoin is None:
+            log.info("leaving the group", step=self.state.step)
+            return False
+        os.environ.update(rejoin.env)
+        return True
+
+    def load(self, config: SupervisionConfig, rank: int, world_size: int) -> None:
+        """Where a generation's state comes from: rank 0's live state, a checkpoint, or (first launch) nothing."""
+        if config.state_from_rank0:
+            state_from_rank0(self.state, rank)
+            return
+        if config.resume_from is None or self.state.step > 0:
+            return
+        tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         try:
-            restored = restore(
-                within_root(config.checkpoint_dir, config.resume_from), config.run_id, rank, world_size, tier
-            )
+            directory = within_root(config.checkpoint_dir, config.resume_from)
+            restored = restore(directory, config.run_id, rank, world_size, tier)
         except CheckpointError as exc:
             log.error("cannot resume", checkpoint=str(config.resume_from), error=str(exc))
             sys.exit(EXIT_CHECKPOINT_UNUSABLE)
-        state.restore(restored.manifest, restored.tensors)
+        self.state.restore(restored.manifest, restored.tensors)
         restore_rng(restored.manifest, restored.tensors, rank)
-        supervision.report(
+        self.report(
             Resumed(
                 rank=rank,
                 generation=config.generation,
-                step=state.step,
+                step=self.state.step,
                 source=restored.source,
                 seconds=restored.seconds,
             )
         )
 
-    store = dist.PrefixStore(
-        "stayalive/checkpoints",  # the store itself is fresh every generation
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False),
-    )
-
-    def committed(manifest: Manifest, path: os.PathLike[str]) -> None:
-        blocking = max(shard.blocking_s for shard in manifest.shards)
-        supervision.report(
-            CheckpointCommitted(
-                rank=rank,
-                generation=config.generation,
-                step=manifest.step,
-                path=str(path),
-                blocking_s=blocking,
-            )
+    def checkpointer(
+        self, config: SupervisionConfig, rank: int, world_size: int, faults: FaultInjector
+    ) -> Checkpointer:
+        store = dist.PrefixStore(
+            "stayalive/checkpoints",  # the store itself is fresh every generation
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False),
         )
+        tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
-    checkpointer = Checkpointer(
-        config.checkpoint_dir,
-        rank,
-        world_size,
-        store,
-        Identity(config.run_id, config.generation, config.config_digest, gpt_config.model_dump(), args.global_batch),
-        tier,
-        faults,
-        on_commit=committed,
-    )
-    stream = SampleStream(corpus, gpt_config.block_size, args.global_batch, args.seed)
-    train(state, stream, supervision, checkpointer, faults)
-    checkpointer.wait()
-    supervision.report(Finished(rank=rank, generation=config.generation, step=state.step))
-    supervision.close()
-    dist.destroy_process_group()
+        def committed(manifest: Manifest, path: os.PathLike[str]) -> None:
+            blocking = max(shard.blocking_s for shard in manifest.shards)
+            self.report(
+                CheckpointCommitted(
+                    rank=rank, generation=config.generation, step=manifest.step, path=str(path), blocking_s=blocking
+                )
+            )
+
+        identity = Identity(
+            config.run_id, config.generation, config.config_digest, self.gpt_config.model_dump(), self.args.global_batch
+        )
+        return Checkpointer(config.checkpoint_dir, rank, world_size, store, identity, tier, faults, on_commit=committed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    Trainer(parse_args(argv)).run()
 
 
 if __name__ == "__main__":

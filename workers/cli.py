@@ -103,7 +103,7 @@ def stack_address(state_dir: Path) -> tuple[str, str | None]:
 
 def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
     if DevStack.recorded(state_dir) is None:
-        stack = DevStack(state_dir=state_dir, nodes=DEMO_NODES, detach=True)
+        stack = DevStack(state_dir=state_dir, nodes=DEMO_NODES, spares=["n3"], detach=True)
         console.print("Starting the dev stack: Temporal dev server + web UI, supervisor worker, node agents n1 n2 n3 …")
         stack.start()
     return stack_address(state_dir)

@@ -104,6 +104,7 @@ def ledger_table(book: Ledger) -> Table:
         "checkpoint (blocking)": book.checkpoint,
         "lost work (recomputed)": book.lost,
         "recovery (failure to first step)": book.recovery,
+        "idle (waiting for a person or nodes)": book.idle,
     }
     for name, seconds in rows.items():
         table.add_row(name, f"{seconds:,.1f}", f"{seconds / book.wall:.1%}" if book.wall else "-")

@@ -44,10 +44,16 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+# Registered with the dev server: RunWorkflow shows its state, step and goodput in the web UI's list.
+SEARCH_ATTRIBUTES = ["RunState=Keyword", "Step=Int", "Goodput=Double"]
+
+
 @dataclass
 class DevStack:
     state_dir: Path
     nodes: list[str]
+    spares: list[str] = field(default_factory=list)
+    racks: dict[str, str] = field(default_factory=dict)  # node → rack (default rack-a)
     port: int = 7233
     ui_port: int | None = 8233
     workdir: Path = field(default_factory=Path.cwd)
@@ -86,6 +92,7 @@ class DevStack:
             str(self.state_dir / "temporal.db"),
             "--log-level",
             "error",
+            *(arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)),
         ]
         argv += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
         self._spawn("temporal", argv)
@@ -106,6 +113,7 @@ class DevStack:
 
     def start_agent(self, node: str) -> None:
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if node in self.spares else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         self._spawn(f"agent-{node}", argv)
 
@@ -151,6 +159,7 @@ class DevStack:
             "port": self.port,
             "ui_port": self.ui_port,
             "nodes": self.nodes,
+            "spares": self.spares,
             "pids": {name: p.pid for name, p in self.processes.items()},
         }
         (self.state_dir / "stack.json").write_text(json.dumps(record, indent=1))

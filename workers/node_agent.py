@@ -1,7 +1,8 @@
 """A node agent: one per host, on task queue `node.<id>`. It launches, watches, commands and stops
-the ranks of this host, and serves their telemetry to the run monitor.
+the ranks of this host, serves their telemetry to the run monitor, keeps the host-memory checkpoint
+tier, and runs the host's self-test when the fleet asks.
 
-    python -m workers.node_agent --node n1 --address 127.0.0.1:7233
+    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233
 
 A dead agent is how the workflow learns its host is gone (heartbeat and schedule-to-start
 timeouts), so the agent does nothing clever to stay up: its ranks die with it.
@@ -14,13 +15,18 @@ import asyncio
 from pathlib import Path
 
 import structlog
+from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.hub import NodeHub
 from activities.node import NodeActivities
+from activities.selftest import SelfTestActivities
+from core.launch import node_queue
 from training.logs import configure_logging
 from workers.supervisor import connect
-from workflows.run import node_queue
+from workflows.fleet import FleetInput, FleetWorkflow, RegisterNode, fleet_id
+from workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
 
@@ -31,34 +37,59 @@ def default_memory_dir(node: str) -> Path:
     return (shm if shm.is_dir() else Path("/tmp")) / "stayalive" / node
 
 
-async def serve(
-    node: str, address: str, namespace: str, host: str, advertise: str | None, state_dir: Path, memory_dir: Path
-) -> None:
-    hub = NodeHub(node, host, memory_dir, advertise)
+async def register(client: Client, node: str, rack: str, spare: bool) -> None:
+    """Tell the fleet this node is up (starting the fleet's workflow if this is its first node)."""
+    start = WithStartWorkflowOperation(
+        FleetWorkflow.run,
+        FleetInput(),
+        id=fleet_id(),
+        task_queue=TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    while True:
+        try:
+            entry = await client.execute_update_with_start_workflow(
+                FleetWorkflow.register, RegisterNode(node=node, rack=rack, spare=spare), start_workflow_operation=start
+            )
+            log.info("registered with the fleet", node=node, state=entry.state.value)
+            return
+        except Exception as exc:  # the supervisor may not be up yet: keep asking
+            log.warning("fleet registration failed; retrying", node=node, error=str(exc))
+            await asyncio.sleep(2.0)
+
+
+async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
+    hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
     await hub.start()
-    node_activities = NodeActivities(node, hub, state_dir / "nodes" / node)
-    client = await connect(address, namespace)
+    node = NodeActivities(args.node, hub, args.state_dir / "nodes" / args.node)
+    self_test = SelfTestActivities(args.node, broken=lambda: node.broken)
+    client = await connect(args.address, args.namespace)
     worker = Worker(
         client,
-        task_queue=node_queue(node),
+        task_queue=node_queue(args.node),
         activities=[
-            node_activities.prepare_generation,
-            node_activities.run_ranks,
-            node_activities.release_run,
-            node_activities.send_command,
+            node.prepare_node,
+            node.run_ranks,
+            node.release_run,
+            node.send_command,
+            self_test.self_test,
         ],
         max_concurrent_activities=64,
     )
-    log.info("node agent started", task_queue=node_queue(node), hub=str(hub.endpoint))
+    log.info("node agent started", node=args.node, task_queue=node_queue(args.node), hub=str(hub.endpoint))
+    registration = asyncio.create_task(register(client, args.node, args.rack, args.spare))
     try:
         await worker.run()
     finally:
+        registration.cancel()
         hub.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m workers.node_agent", description=__doc__)
     parser.add_argument("--node", required=True, help="this node's id, e.g. n1")
+    parser.add_argument("--rack", default="rack-a", help="the failure domain this node shares with its neighbours")
+    parser.add_argument("--spare", action="store_true", help="a hot spare: kept idle to replace a failed node")
     parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--host", default="127.0.0.1", help="address the hub and rendezvous store listen on")
@@ -67,8 +98,7 @@ def main() -> None:
     parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
     args = parser.parse_args()
     configure_logging(node=args.node)
-    memory_dir = args.memory_dir or default_memory_dir(args.node)
-    asyncio.run(serve(args.node, args.address, args.namespace, args.host, args.advertise, args.state_dir, memory_dir))
+    asyncio.run(serve(args, args.memory_dir or default_memory_dir(args.node)))
 
 
 if __name__ == "__main__":

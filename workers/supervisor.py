@@ -1,4 +1,4 @@
-"""The supervisor worker: RunWorkflow and the run-level activities, on task queue `stayalive`.
+"""The supervisor worker: RunWorkflow, FleetWorkflow and the run-level activities, on task queue `stayalive`.
 
     python -m workers.supervisor --address 127.0.0.1:7233
 
@@ -13,12 +13,15 @@ from datetime import timedelta
 
 import structlog
 from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
 from activities.checkpoints import choose_checkpoint, keep_checkpoints
-from activities.monitor import monitor_run
+from activities.fleet import FleetActivities
+from activities.monitor import await_hold, monitor_run
 from training.logs import configure_logging
+from workflows.fleet import FleetInput, FleetWorkflow, fleet_id
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 log = structlog.get_logger()
@@ -28,16 +31,38 @@ async def connect(address: str, namespace: str = "default") -> Client:
     return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
 
 
+async def ensure_fleet(client: Client, cluster: str = "default") -> None:
+    """The cluster's FleetWorkflow runs for as long as the cluster does; start it if it is not running."""
+    await client.start_workflow(
+        FleetWorkflow.run,
+        FleetInput(),
+        id=fleet_id(cluster),
+        task_queue=TASK_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
 async def serve(address: str, namespace: str) -> None:
     client = await connect(address, namespace)
+    fleet = FleetActivities(client)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
-        workflows=[RunWorkflow],
-        activities=[monitor_run, keep_checkpoints, choose_checkpoint],
+        workflows=[RunWorkflow, FleetWorkflow],
+        activities=[
+            monitor_run,
+            await_hold,
+            keep_checkpoints,
+            choose_checkpoint,
+            fleet.acquire_nodes,
+            fleet.replace_node,
+            fleet.take_spare,
+            fleet.release_nodes,
+        ],
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
+    await ensure_fleet(client)
     log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE)
     await worker.run()
 

@@ -11,33 +11,32 @@ from temporalio.workflow import ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult, choose_checkpoint, keep_checkpoints
-    from activities.monitor import monitor_run
-    from activities.node import NodeActivities, NodeCommand, PrepareGeneration
+    from activities.fleet import FleetActivities, Replace, Replacement
+    from activities.monitor import await_hold, monitor_run
+    from activities.node import NodeActivities, NodeCommand, PrepareNode
     from core.events import MonitorEvent, MonitorInput, NodeOutcome
-    from core.launch import NodeEndpoint, NodeLaunch
+    from core.launch import NodeEndpoint, NodeLaunch, node_queue
     from core.run import CheckpointRecord
-    from core.telemetry import Command
+    from core.telemetry import Command, Held
+    from workflows.fleet import Acquire, Grant, Release, TakeSpare
 
 FOREVER = timedelta(days=3650)
-
-
-def node_queue(node: str) -> str:
-    return f"node.{node}"
+QUICK = timedelta(minutes=2)
 
 
 async def prepare(run_id: str, generation: int, node: str, host_rendezvous: bool, answer_within: float) -> NodeEndpoint:
     # A node agent that does not pick this up within `answer_within` is gone: schedule-to-start is
     # not retried, which makes it a dead-node detector.
     return await workflow.execute_activity_method(
-        NodeActivities.prepare_generation,
-        PrepareGeneration(run_id=run_id, generation=generation, host_rendezvous=host_rendezvous),
+        NodeActivities.prepare_node,
+        PrepareNode(run_id=run_id, generation=generation, host_rendezvous=host_rendezvous),
         task_queue=node_queue(node),
         schedule_to_start_timeout=timedelta(seconds=answer_within),
-        start_to_close_timeout=timedelta(minutes=2),
+        start_to_close_timeout=QUICK,
         retry_policy=RetryPolicy(maximum_attempts=3),
-        summary=f"{node}: stop earlier ranks"
-        + (", open a fresh rendezvous store" if host_rendezvous else "")
-        + f" for generation {generation}",
+        summary=f"{node}: open a fresh rendezvous store for generation {generation}"
+        if host_rendezvous
+        else f"{node}: join generation {generation}",
     )
 
 
@@ -67,6 +66,16 @@ def monitor(input: MonitorInput) -> ActivityHandle[MonitorEvent]:
     )
 
 
+async def hold(input: MonitorInput) -> Held:
+    return await workflow.execute_activity(
+        await_hold,
+        input,
+        start_to_close_timeout=timedelta(hours=1),
+        heartbeat_timeout=timedelta(seconds=10),
+        summary=f"wait until all {input.world_size} ranks finish the in-flight step, checkpoint it and hold",
+    )
+
+
 def keeper(input: KeeperInput, last_step: int | None) -> ActivityHandle[KeeperResult]:
     after = f" after step {last_step}" if last_step is not None else ""
     deleting = f"; delete {len(input.delete)} that retention dropped" if input.delete else ""
@@ -90,6 +99,16 @@ async def choose(input: ChooseInput) -> list[CheckpointRecord]:
     )
 
 
+async def command(run_id: str, node: str, command: Command, summary: str) -> int:
+    return await workflow.execute_activity_method(
+        NodeActivities.send_command,
+        NodeCommand(run_id=run_id, command=command),
+        task_queue=node_queue(node),
+        start_to_close_timeout=timedelta(seconds=30),
+        summary=f"{node}: {summary}",
+    )
+
+
 async def release(run_id: str, node: str) -> int:
     return await workflow.execute_activity_method(
         NodeActivities.release_run,
@@ -97,15 +116,42 @@ async def release(run_id: str, node: str) -> int:
         task_queue=node_queue(node),
         start_to_close_timeout=timedelta(minutes=1),
         schedule_to_close_timeout=timedelta(minutes=5),
-        summary=f"{node}: release the run (stop ranks, free host memory)",
+        summary=f"{node}: release the run (stop its ranks, free its host memory)",
     )
 
 
-async def command(run_id: str, node: str, command: Command) -> int:
+async def acquire(run_id: str, nodes: list[str]) -> Grant:
     return await workflow.execute_activity_method(
-        NodeActivities.send_command,
-        NodeCommand(run_id=run_id, command=command),
-        task_queue=node_queue(node),
-        start_to_close_timeout=timedelta(seconds=30),
-        summary=f"{node}: tell ranks to {command.kind}",
+        FleetActivities.acquire_nodes,
+        Acquire(run_id=run_id, wanted=nodes),
+        start_to_close_timeout=QUICK,
+        summary=f"ask the fleet for {', '.join(nodes)}",
+    )
+
+
+async def replace(request: Replace) -> Replacement:
+    spares = ", ".join(request.candidates) or "none listed"
+    return await workflow.execute_activity_method(
+        FleetActivities.replace_node,
+        request,
+        start_to_close_timeout=QUICK,
+        summary=f"quarantine {request.node} ({request.reason}) and take a spare ({spares})",
+    )
+
+
+async def take_spare(run_id: str, candidates: list[str]) -> str | None:
+    return await workflow.execute_activity_method(
+        FleetActivities.take_spare,
+        TakeSpare(run_id=run_id, candidates=candidates),
+        start_to_close_timeout=QUICK,
+        summary=f"look for a free node among {', '.join(candidates) or 'none'}",
+    )
+
+
+async def release_nodes(run_id: str) -> list[str]:
+    return await workflow.execute_activity_method(
+        FleetActivities.release_nodes,
+        Release(run_id=run_id),
+        start_to_close_timeout=QUICK,
+        summary="give the run's nodes back to the fleet",
     )

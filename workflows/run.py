@@ -1,40 +1,47 @@
 """RunWorkflow: carries one training run to its target step, through every interruption.
 
-A run is a sequence of generations. Each generation judges what the last one left behind, picks
-the newest valid checkpoint, prepares its nodes, starts their ranks (`run_ranks` on each node's
-queue), a run monitor and a checkpoint keeper, then handles events until the generation ends: a
-checkpoint judged, the first step after a restart, a failed rank, a lost node, or every rank done.
-Workflow code decides; every side effect is an activity (workflows/calls.py).
+A run is a sequence of generations (workflows/generation.py). Between them the workflow decides:
+after a crash, quarantine the node and restart from the newest valid checkpoint on a spare or at
+reduced width; for a drain, the auto-cordon sequence (drain → wait → checkpoint → resize → resume)
+with the survivors kept alive; for a pause, a hold until a person resumes. Workflow code decides;
+every side effect is an activity (workflows/calls.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
+from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError
-from temporalio.workflow import ActivityHandle
 
-from workflows import calls
+from workflows import calls, generation
+from workflows.generation import Generation
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
-    from core.events import FirstStep, MonitorEvent, MonitorInput, NodeOutcome, RankFailed, RanksFinished
+    from activities.checkpoints import ChooseInput, KeeperResult
+    from activities.fleet import Replace
+    from core.events import FirstStep, MonitorEvent, MonitorInput, NodeLost, NodeOutcome, RankFailed, RanksFinished
     from core.goodput import ledger
-    from core.interval import interval, mtbf
-    from core.launch import EXIT_CHECKPOINT_UNUSABLE, NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
-    from core.retention import to_delete
+    from core.health import Health, health_table
+    from core.interval import checkpoint_seconds, checkpoint_steps
+    from core.launch import Membership, without_node
+    from core.paging import PagingClass, classify
+    from core.recovery import interruption_from, supersede
     from core.run import Cause, CheckpointRecord, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
     from core.telemetry import Command
 
 TASK_QUEUE = "stayalive"
-node_queue = calls.node_queue
+RUN_STATE = SearchAttributeKey.for_keyword("RunState")
+STEP = SearchAttributeKey.for_int("Step")
+GOODPUT = SearchAttributeKey.for_float("Goodput")
 
 
 class CarriedRun(BaseModel):
@@ -51,9 +58,22 @@ RunInput = Annotated[
 ]
 
 
-class NodeLost(BaseModel):
+class DrainNode(BaseModel):
     node: str
-    detail: str
+    reason: str
+
+
+class ResumeFrom(BaseModel):
+    step: int
+
+
+@dataclass
+class _Request:
+    kind: Literal["drain", "pause", "rollback"]
+    node: str = ""
+    reason: str = ""
+    step: int = 0
+    outcome: str | None = None  # set when the main loop has carried it out
 
 
 @workflow.defn(failure_exception_types=[ValidationError])
@@ -64,8 +84,12 @@ class RunWorkflow:
             self.status = input.status
         else:
             info = workflow.info()
-            self.status = RunStatus(spec=input, run_id=f"{info.workflow_id}/{info.first_execution_run_id[:8]}")
+            self.status = RunStatus(
+                spec=input, run_id=f"{info.workflow_id}/{info.first_execution_run_id[:8]}", nodes=list(input.nodes)
+            )
         self.run_id = self.status.run_id
+        self._requests: list[_Request] = []
+        self._resumed = False
 
     @property
     def spec(self) -> RunSpec:
@@ -73,29 +97,43 @@ class RunWorkflow:
 
     @workflow.run
     async def run(self, input: RunInput) -> RunResult:
-        if self.status.started_at is None:
-            self.status.started_at = workflow.now()
+        status = self.status
+        if status.started_at is None:
+            status.started_at = workflow.now()
+            await self._acquire()
         try:
-            while not self.status.state.terminal:
-                await self._generation()
+            while not status.state.terminal:
+                if status.state == RunState.STOPPED:
+                    await self._stopped()
+                    continue
+                await self._supervise(await self._start())
+                if self._continue_as_new_due():
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    workflow.continue_as_new(CarriedRun(status=status))
         except asyncio.CancelledError:
             await self._release()
             self._set_state(RunState.CANCELLED)
             raise
         await self._release()
-        self.status.finished_at = workflow.now()
+        status.finished_at = workflow.now()
         return RunResult(
             run_id=self.run_id,
-            state=self.status.state,
-            final_step=self.status.progress.step,
-            interruptions=self.status.interruptions,
-            ledger=ledger(self.status, workflow.now()),
-            failure=self.status.failure,
+            state=status.state,
+            final_step=status.progress.step,
+            interruptions=status.interruptions,
+            ledger=ledger(status, workflow.now()),
+            failure=status.failure,
         )
+
+    # -- what a person can ask ------------------------------------------------------------------
 
     @workflow.query
     def status_query(self) -> RunStatus:
         return self.status
+
+    @workflow.query
+    def health(self) -> Health:
+        return Health.of(self.status, workflow.now(), self._checkpoint_seconds())
 
     @workflow.query
     def timeline(self) -> list[Interruption]:
@@ -109,120 +147,114 @@ class RunWorkflow:
     @workflow.signal
     async def force_checkpoint(self) -> None:
         """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
-        await self._command("checkpoint")
+        self._set_state(RunState.CHECKPOINTING)
+        await self._command("checkpoint", "checkpoint at the next step all ranks agree on")
 
-    # -- one generation -------------------------------------------------------------------------
+    @workflow.signal
+    def pause(self, reason: str = "paused by an operator") -> None:
+        self._requests.append(_Request(kind="pause", reason=reason))
 
-    async def _generation(self) -> None:
-        status, spec = self.status, self.spec
-        if status.generation > 0:
-            await self._judge_leftovers()
-        resume = status.latest_valid_checkpoint()
-        if status.interruptions and status.interruptions[-1].resumed_from is None:
-            status.interruptions[-1].resumed_at(resume.step if resume else 0)
-        self._set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
-        endpoints = status.endpoints = await self._prepare()
-        rendezvous = endpoints[0].rendezvous
-        assert rendezvous is not None
-        env = spec.env | supervision_env(
-            spec,
-            self.run_id,
-            status.checkpoint_dir,
-            status.generation,
-            resume.path if resume else None,
-            self._checkpoint_seconds(),
-            endpoints,
-        )
-        origin = f"from checkpoint step {resume.step}" if resume else "from scratch"
-        nodes = {
-            node: calls.run_ranks(
-                NodeLaunch(
-                    run_id=self.run_id,
-                    node=node,
-                    generation=status.generation,
-                    ranks=ranks,
-                    world_size=spec.world_size,
-                    rendezvous=rendezvous,
-                    entrypoint=spec.entrypoint,
-                    env=env,
-                ),
-                origin,
-                spec.health.node_heartbeat_timeout,
+    @workflow.signal
+    def resume(self) -> None:
+        self._resumed = True
+
+    @workflow.update
+    async def drain_node(self, request: DrainNode) -> str:
+        """Take a node out of the run: drain, wait, checkpoint, resize (spare or fewer nodes), resume."""
+        return await self._carry_out(_Request(kind="drain", node=request.node, reason=request.reason))
+
+    @drain_node.validator
+    def _check_drain(self, request: DrainNode) -> None:
+        if not self.spec.hooks:
+            raise ValueError("drain_node needs a run with hooks: a plain script cannot hold at a step")
+        if request.node not in self.status.nodes:
+            raise ValueError(f"{request.node} is not in this run; its nodes are {', '.join(self.status.nodes)}")
+        if self.status.state != RunState.RUNNING:
+            raise ValueError(f"the run is {self.status.state.value}; drain a node once it is RUNNING")
+
+    @workflow.update
+    async def resume_from(self, request: ResumeFrom) -> str:
+        """Roll the run back to the validated checkpoint of `step` and continue from there."""
+        return await self._carry_out(_Request(kind="rollback", step=request.step))
+
+    @resume_from.validator
+    def _check_resume_from(self, request: ResumeFrom) -> None:
+        if not any(c.step == request.step and c.validated and not c.deleted for c in self.status.checkpoints):
+            valid = ", ".join(
+                str(s) for s in sorted({c.step for c in self.status.checkpoints if c.validated and not c.deleted})
             )
-            for node, ranks in assign_ranks(spec.nodes, spec.ranks_per_node).items()
-        }
-        monitor = self._monitor(first_step=True) if spec.hooks else None
-        keeper = self._keeper() if spec.hooks else None
-        finished: set[str] = set()
+            raise ValueError(f"no validated checkpoint at step {request.step}; valid steps: {valid or 'none yet'}")
+
+    async def _carry_out(self, request: _Request) -> str:
+        self._requests.append(request)
+        await workflow.wait_condition(lambda: request.outcome is not None)
+        return request.outcome or ""
+
+    # -- generations ----------------------------------------------------------------------------
+
+    async def _acquire(self) -> None:
+        """Ask the fleet for the spec's nodes; a refused one is replaced by a spare or left out."""
+        grant = await calls.acquire(self.run_id, self.spec.nodes)
+        nodes = list(self.status.nodes)
+        for node, why in grant.refused.items():
+            workflow.logger.warning("fleet refused %s: %s", node, why)
+            spare = await calls.take_spare(self.run_id, self._spare_candidates())
+            nodes = [spare if n == node else n for n in nodes] if spare else [n for n in nodes if n != node]
+            if spare:
+                self.status.spares_used.append(spare)
+        self.status.nodes = nodes
+        if len(nodes) < self.spec.min_nodes:
+            self._stop(f"the fleet has {len(nodes)} usable nodes of the {self.spec.min_nodes} this run needs")
+
+    async def _start(self) -> Generation:
+        status = self.status
+        fresh = status.membership is None and not status.reattach
+        if fresh and status.generation > 0:
+            await self._judge_leftovers()
+        if status.interruptions and status.interruptions[-1].resumed_from is None:
+            resume = status.latest_valid_checkpoint()
+            status.interruptions[-1].resumed_at(resume.step if resume else 0)
+        if not status.reattach:
+            self._set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
+        status.endpoints = await generation.endpoints(status, fresh_store=not status.reattach)
+        started = generation.start(status, self._checkpoint_seconds(), self._checkpoint_steps())
+        status.membership, status.reattach = None, False
+        return started
+
+    async def _supervise(self, gen: Generation) -> None:
+        """Handle this generation's events until it ends (interruption, completion, a request, continue-as-new)."""
         while True:
-            waiting = [t for n, t in nodes.items() if n not in finished] + [h for h in (monitor, keeper) if h]
-            done, _ = await workflow.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if monitor is not None and monitor in done:
-                self._on_monitor_event(monitor.result())
-                monitor = self._monitor(first_step=False)
-            if keeper is not None and keeper in done:
-                self._on_checkpoint(keeper.result())
-                keeper = self._keeper()
-            for node, task in nodes.items():
+            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._requests)))
+            done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
+            if not ask.done():
+                ask.cancel()
+            if gen.monitor is not None and gen.monitor in done:
+                self._on_monitor_event(gen.monitor.result())
+                gen.monitor = generation.monitor(self.status, first_step=False)
+            if gen.keeper is not None and gen.keeper in done:
+                self._on_checkpoint(gen.keeper.result())
+                gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
+            for node, task in gen.nodes.items():
                 if task in done:
                     outcome = await self._outcome(node, task)
                     if isinstance(outcome, RanksFinished):
-                        finished.add(node)
+                        gen.finished.add(node)
                     else:
-                        await self._cancel([*nodes.values(), monitor, keeper])
-                        self._interrupt(outcome, resume)
+                        await gen.cancel()
+                        await self._recover(outcome)
                         return
-            if len(finished) == len(nodes):
-                await self._cancel([monitor])
-                await self._finish(keeper)
+            if len(gen.finished) == len(gen.nodes):
+                await self._finish(gen)
+                return
+            if self._requests:
+                await self._handle(self._requests.pop(0), gen)
+                return
+            if self._continue_as_new_due():
+                self.status.reattach = True
+                await gen.cancel()
                 return
 
-    async def _prepare(self) -> list[NodeEndpoint]:
-        answer_within = self.spec.health.node_heartbeat_timeout
-        return list(
-            await asyncio.gather(
-                *(
-                    calls.prepare(self.run_id, self.status.generation, node, i == 0, answer_within)
-                    for i, node in enumerate(self.spec.nodes)
-                )
-            )
-        )
-
-    def _monitor(self, first_step: bool) -> ActivityHandle[MonitorEvent]:
-        resume = self.status.latest_valid_checkpoint()
-        return calls.monitor(
-            MonitorInput(
-                run_id=self.run_id,
-                generation=self.status.generation,
-                world_size=self.spec.world_size,
-                endpoints=self.status.endpoints,
-                resume_step=resume.step if resume else 0,
-                await_first_step=first_step,
-                after=self.status.telemetry_cursor,
-            )
-        )
-
-    def _keeper(self) -> ActivityHandle[KeeperResult]:
-        status = self.status
-        assert status.started_at is not None
-        dropped = to_delete(
-            status.checkpoints, status.started_at, status.spec.sdc.self_check_every, self._checkpoint_steps()
-        )
-        mine = [c for c in status.checkpoints if c.generation == status.generation]
-        return calls.keeper(
-            KeeperInput(
-                run_id=self.run_id,
-                generation=status.generation,
-                root=self.spec.checkpoint.root,
-                endpoints=status.endpoints,
-                after=status.checkpoint_cursor,
-                reference=status.latest_valid_checkpoint(),
-                delete=[c.path for c in dropped],
-            ),
-            max((c.step for c in mine), default=None),
-        )
-
-    async def _outcome(self, node: str, task: ActivityHandle[NodeOutcome]) -> NodeOutcome | NodeLost:
+    async def _outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
             return await task
         except ActivityError as exc:
@@ -233,14 +265,13 @@ class RunWorkflow:
         """Before choosing where to resume: validate what the last generation committed but nobody
         judged yet, and record writes that never committed."""
         status = self.status
-        known = [c.path.rstrip("/").rsplit("/", 1)[-1] for c in status.checkpoints]
         found = await calls.choose(
             ChooseInput(
                 run_id=self.run_id,
                 root=self.spec.checkpoint.root,
                 directory=status.checkpoint_dir,
                 generation=status.generation,
-                known=known,
+                known=[c.path.rstrip("/").rsplit("/", 1)[-1] for c in status.checkpoints],
                 reference=status.latest_valid_checkpoint(),
             )
         )
@@ -258,8 +289,8 @@ class RunWorkflow:
                 status.first_step_at = at
             last = status.interruptions[-1] if status.interruptions else None
             if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
-                last.restart_seconds = max(0.0, (at - last.at).total_seconds())
-                last.restored_from = event.restored_from
+                last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
+                last.restored_from = last.restored_from or event.restored_from
             self._set_state(RunState.RUNNING)
 
     def _on_checkpoint(self, result: KeeperResult) -> None:
@@ -270,51 +301,68 @@ class RunWorkflow:
                 record.deleted = True
         status.checkpoints.append(result.checkpoint)
         status.progress.step = max(status.progress.step, result.checkpoint.step)
+        if status.state == RunState.CHECKPOINTING:
+            self._set_state(RunState.RUNNING)
+        workflow.upsert_search_attributes(
+            [STEP.value_set(status.progress.step), GOODPUT.value_set(ledger(status, workflow.now()).goodput)]
+        )
 
-    def _interrupt(self, outcome: RankFailed | NodeLost, resume: CheckpointRecord | None) -> None:
+    async def _recover(self, failure: RankFailed | NodeLost) -> None:
+        """A crash or a lost node: quarantine it, find its replacement, and restart from a checkpoint."""
         status = self.status
-        if isinstance(outcome, RankFailed) and outcome.exit_code == EXIT_CHECKPOINT_UNUSABLE and resume:
-            # The ranks could not load the checkpoint they were given: it is not resumable after all.
-            resume.validated = False
-            resume.reason = f"could not be loaded at resume{_last_line(outcome.log_tail)}"
-            cause, detected_by = Cause.CHECKPOINT_INVALID, "rank refused its resume checkpoint"
-        elif isinstance(outcome, RankFailed):
-            cause, detected_by = Cause.CRASH, "node agent: rank process exited"
+        self._set_state(RunState.DIAGNOSING)
+        interruption = interruption_from(failure, status, workflow.now())
+        interruption.paging = classify(status.interruptions, interruption, self.spec.checkpoint.prior_mtbf, None)
+        if interruption.cause == Cause.CHECKPOINT_INVALID:
+            interruption.actions.append("marked the checkpoint it was given unusable")
         else:
-            cause, detected_by = Cause.NODE_LOST, "node agent heartbeat timeout"
-        if isinstance(outcome, RankFailed):
-            interruption = Interruption(
-                at=datetime.fromtimestamp(outcome.at, UTC),
-                generation=status.generation,
-                detected_by=detected_by,
-                cause=cause,
-                node=outcome.node,
-                rank=outcome.rank,
-                step=outcome.last_step,
-                detail=f"exit code {outcome.exit_code}" + _last_line(outcome.log_tail),
-            )
-        else:
-            interruption = Interruption(
-                at=workflow.now(),
-                generation=status.generation,
-                detected_by=detected_by,
-                cause=cause,
-                node=outcome.node,
-                step=status.progress.step,
-                detail=outcome.detail,
-            )
+            await self._replace(interruption, failure.node, interruption.line())
         self._record(interruption)
+        if interruption.paging.paging == PagingClass.DETERMINISTIC:
+            self._stop(f"{interruption.paging.rule}: {interruption.paging.evidence}. {interruption.paging.action}")
+            interruption.actions.append("stopped the run for a person")
 
-    async def _finish(self, keeper: ActivityHandle[KeeperResult] | None) -> None:
+    async def _replace(self, interruption: Interruption, node: str, reason: str) -> Membership:
+        """Quarantine `node` and put a spare in its place, or go on without it (or stop, below the minimum)."""
+        replacement = await calls.replace(
+            Replace(run_id=self.run_id, node=node, reason=reason, candidates=self._spare_candidates())
+        )
+        interruption.actions.append(f"quarantined {node} in the fleet (self-test running)")
+        membership = without_node(self.status.nodes, node, replacement.spare, self.spec.ranks_per_node)
+        if replacement.spare:
+            self.status.spares_used.append(replacement.spare)
+            interruption.actions.append(f"replaced {node} with spare {replacement.spare}")
+        elif len(membership.nodes) >= self.spec.min_nodes:
+            interruption.actions.append(f"no spare free: continuing on {len(membership.nodes)} nodes")
+        else:
+            interruption.actions.append(f"no spare free and {len(membership.nodes)} nodes < min {self.spec.min_nodes}")
+        self.status.nodes = membership.nodes
+        return membership
+
+    def _record(self, interruption: Interruption) -> None:
+        """Add the interruption to the timeline; the generation that follows fills in where it resumed."""
+        status = self.status
+        status.interruptions.append(interruption)
+        workflow.logger.warning("interruption: %s", interruption.line())
+        status.generation += 1
+        if len(status.interruptions) > self.spec.max_restarts:
+            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
+            self._set_state(RunState.FAILED)
+        elif len(status.nodes) < self.spec.min_nodes:
+            self._stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+
+    async def _finish(self, gen: Generation) -> None:
         """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
         target = self.spec.target_step
-        if keeper is not None and target is not None:
+        if gen.keeper is not None and target is not None:
             # The keeper may still be validating what the ranks wrote last (or catching up after a
             # supervisor restart): take its verdicts until the final checkpoint's is among them.
-            while not any(c.step == target for c in self.status.checkpoints if c.generation == self.status.generation):
-                self._on_checkpoint(await keeper)
-                keeper = self._keeper()
-            await self._cancel([keeper])
+            if gen.monitor is not None:
+                gen.monitor.cancel()
+            while not any(c.step == target and c.generation == gen.number for c in self.status.checkpoints):
+                self._on_checkpoint(await gen.keeper)
+                gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
+            await gen.cancel()
             if not any(c.step == target and c.validated for c in self.status.checkpoints):
                 self._record(
                     Interruption(
@@ -330,66 +378,152 @@ class RunWorkflow:
             self.status.progress.step = target
         self._set_state(RunState.COMPLETED)
 
-    def _record(self, interruption: Interruption) -> None:
-        """Add the interruption to the timeline; the next generation fills in where it resumed."""
-        status = self.status
-        status.interruptions.append(interruption)
-        workflow.logger.warning("interruption: %s", interruption.line())
-        status.generation += 1
-        if len(status.interruptions) > self.spec.max_restarts:
-            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
-            self._set_state(RunState.FAILED)
+    # -- requests: drain, pause, roll back ------------------------------------------------------
+
+    async def _handle(self, request: _Request, gen: Generation) -> None:
+        if request.kind == "rollback":
+            await gen.cancel()
+            request.outcome = self._rollback(request.step)
+            return
+        started = workflow.now()
+        held_at = await self._hold(gen, f"drain {request.node}" if request.kind == "drain" else "pause")
+        interruption = Interruption(
+            at=started,
+            generation=self.status.generation,
+            detected_by="operator" if request.reason else "detector",
+            cause=Cause.DRAIN if request.kind == "drain" else Cause.PAUSE,
+            node=request.node or None,
+            step=held_at,
+            restored_from="live",
+            detail=request.reason,
+            actions=[f"every rank held at step {held_at} with a checkpoint of it"],
+        )
+        interruption.resumed_at(held_at)
+        if request.kind == "drain":
+            membership = await self._replace(interruption, request.node, f"drained: {request.reason}")
+            await calls.command(self.run_id, request.node, self._next_command("exit"), "ranks leave the group")
+            await calls.release(self.run_id, request.node)
+            interruption.actions.append(f"resized to {len(membership.nodes)} nodes; survivors kept their processes")
+        else:
+            self._set_state(RunState.STOPPED, f"paused: {request.reason}")
+            self._resumed = False
+            await workflow.wait_condition(lambda: self._resumed)
+            interruption.idle_seconds = (workflow.now() - started).total_seconds()
+            membership = without_node(self.status.nodes, "", None, self.spec.ranks_per_node)
+            interruption.actions.append("resumed by an operator")
+        await gen.cancel()
+        self._set_state(RunState.RESIZING if request.kind == "drain" else RunState.RESUMING)
+        self.status.membership = membership
+        self._record(interruption)
+        request.outcome = f"held at step {held_at}; " + "; ".join(interruption.actions[1:])
+
+    async def _hold(self, gen: Generation, why: str) -> int:
+        """Drain and wait: every rank finishes the in-flight step, checkpoints it, and holds. Then the
+        checkpoint of that step is judged before anything about the group changes."""
+        self._set_state(RunState.DRAINING, why)
+        await self._command("hold", f"{why}: finish the in-flight step, checkpoint it, hold")
+        held = await calls.hold(
+            MonitorInput(
+                run_id=self.run_id,
+                generation=gen.number,
+                world_size=self.status.world_size,
+                endpoints=self.status.endpoints,
+                after=self.status.telemetry_cursor,
+            )
+        )
+        self._set_state(RunState.CHECKPOINTING, f"{why}: validating the checkpoint of step {held.step}")
+        while gen.keeper is not None and not any(
+            c.step == held.step and c.generation == gen.number for c in self.status.checkpoints
+        ):
+            self._on_checkpoint(await gen.keeper)
+            gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
+        return held.step
+
+    def _rollback(self, step: int) -> str:
+        """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
+        superseded = supersede(self.status.checkpoints, step)
+        interruption = Interruption(
+            at=workflow.now(),
+            generation=self.status.generation,
+            detected_by="operator",
+            cause=Cause.ROLLBACK,
+            step=self.status.progress.step,
+            detail=f"resume_from step {step}",
+            actions=[f"marked {len(superseded)} later checkpoints superseded"],
+        )
+        self._record(interruption)
+        if self.status.state == RunState.STOPPED:
+            self._set_state(RunState.RESUMING)
+        return f"rolling back to step {step}; {len(superseded)} later checkpoints superseded"
+
+    async def _stopped(self) -> None:
+        """Nobody trains. Wait for a person (resume, resume_from) or, with too few nodes, for a spare."""
+        began = workflow.now()
+        delay = 5.0
+        while self.status.state == RunState.STOPPED:
+            short = len(self.status.nodes) < self.spec.min_nodes
+            try:
+                await workflow.wait_condition(
+                    lambda: (self._resumed and len(self.status.nodes) >= self.spec.min_nodes) or bool(self._requests),
+                    timeout=timedelta(seconds=delay) if short else None,
+                )
+            except TimeoutError:
+                if spare := await calls.take_spare(self.run_id, self._spare_candidates()):
+                    self.status.nodes.append(spare)
+                    self.status.spares_used.append(spare)
+                if len(self.status.nodes) >= self.spec.min_nodes:
+                    self._set_state(RunState.RESUMING)
+                delay = min(delay * 2, 60.0)
+                continue
+            if self._requests:
+                request = self._requests.pop(0)
+                request.outcome = (
+                    self._rollback(request.step)
+                    if request.kind == "rollback"
+                    else f"the run is stopped ({self.status.failure}): resume it first"
+                )
+            else:
+                self._resumed = False
+                self._set_state(RunState.RESUMING)
+        if self.status.interruptions:
+            self.status.interruptions[-1].idle_seconds += (workflow.now() - began).total_seconds()
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _stop(self, reason: str) -> None:
+        self.status.failure = reason
+        self._set_state(RunState.STOPPED, reason)
+
+    def _spare_candidates(self) -> list[str]:
+        """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
+        return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
+
+    def _continue_as_new_due(self) -> bool:
+        return workflow.info().is_continue_as_new_suggested() and not self.status.state.terminal
+
     def _checkpoint_seconds(self) -> float | None:
-        cfg = self.spec.checkpoint
-        if cfg.interval.kind == "seconds":
-            return cfg.interval.value
-        if cfg.interval.kind != "auto":
-            return None
-        measured = [c.blocking_seconds for c in self.status.checkpoints if c.validated]
-        if not measured:
-            return cfg.min_interval  # the first checkpoint comes early: it measures C
-        assert self.status.started_at is not None
-        observed = (workflow.now() - self.status.started_at).total_seconds()
-        m = mtbf(observed, len(self.status.interruptions), cfg.prior_mtbf)
-        return interval(measured[-1], m, cfg.min_interval, cfg.max_interval)
+        return checkpoint_seconds(self.status, workflow.now())
 
     def _checkpoint_steps(self) -> float:
-        """The checkpoint interval in steps, for retention (time-based intervals convert at the p50 step time)."""
-        cfg = self.spec.checkpoint
-        if cfg.interval.kind == "steps":
-            return cfg.interval.value or 1.0
-        seconds = self._checkpoint_seconds() or cfg.min_interval
-        return seconds / max(self.status.progress.step_seconds_p50, 1e-3)
+        return checkpoint_steps(self.status, workflow.now())
 
-    async def _command(self, kind: Literal["checkpoint", "exit"]) -> None:
+    def _next_command(self, kind: Literal["checkpoint", "hold", "exit"]) -> Command:
         self.status.command_seq += 1
-        command = Command(seq=self.status.command_seq, kind=kind)
-        await asyncio.gather(*(calls.command(self.run_id, node, command) for node in self.spec.nodes))
+        return Command(seq=self.status.command_seq, kind=kind)
 
-    async def _cancel(self, handles: list[ActivityHandle | None]) -> None:
-        live = [h for h in handles if h is not None and not h.done()]
-        for handle in live:
-            handle.cancel()
-        await asyncio.gather(*live, return_exceptions=True)
+    async def _command(self, kind: Literal["checkpoint", "hold", "exit"], summary: str) -> None:
+        command = self._next_command(kind)
+        await asyncio.gather(*(calls.command(self.run_id, node, command, summary) for node in self.status.nodes))
 
     async def _release(self) -> None:
-        await asyncio.gather(*(calls.release(self.run_id, node) for node in self.spec.nodes), return_exceptions=True)
+        nodes = set(self.status.nodes) | set(self.spec.nodes) | set(self.status.spares_used)
+        await asyncio.gather(*(calls.release(self.run_id, node) for node in sorted(nodes)), return_exceptions=True)
+        await calls.release_nodes(self.run_id)
 
-    def _set_state(self, state: RunState) -> None:
+    def _set_state(self, state: RunState, note: str = "") -> None:
         self.status.state = state
-        status = self.status
-        workflow.set_current_details(
-            f"**{state.value}** · generation {status.generation} · step {status.progress.step}"
-            f"/{self.spec.target_step or '?'} · {len(status.interruptions)} interruptions"
-        )
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return f": {lines[-1][-200:]}" if lines else ""
+        workflow.set_current_details(health_table(self.status, note))
+        workflow.upsert_search_attributes([RUN_STATE.value_set(state.value)])
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
 ) -> None:
     spec = tiny_spec(checkpoint_root, target_step=100)
     handle = await start(client, spec, "kill-rank")
-    collector = RecordCollector(await wait_until(handle, lambda s: bool(s.endpoints)))
+    collector = RecordCollector(handle)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
     pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)
@@ -118,5 +118,6 @@ async def test_plain_torchrun_script_restarts_after_a_killed_rank(
     assert [(i.cause, i.node, i.rank) for i in result.interruptions] == [(Cause.CRASH, "n1", 1)]
     assert (own / "step-000800.pt").exists()
     status = await handle.query(RunWorkflow.status_query)
-    restarted = (stack.state_dir / "nodes" / "n1" / "runs" / status.run_id / "g1" / "rank-0.log").read_text()
-    assert "resumed from step-" in restarted, "the restart resumed from the script's own checkpoint"
+    # n1 is quarantined after the crash: generation 1's rank 0 runs wherever the fleet placed it.
+    (restarted,) = stack.state_dir.glob(f"nodes/*/runs/{status.run_id}/g1/rank-0.log")
+    assert "resumed from step-" in restarted.read_text(), "the restart resumed from the script's own checkpoint"

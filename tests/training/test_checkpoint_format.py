@@ -28,7 +28,6 @@ from training.gpt import GPT, PRESETS, GPTConfig
 from training.state import TrainState
 from training.validate import test_load as load_for_validation
 
-
 CONFIG = GPTConfig(vocab_size=20, **PRESETS["tiny"])
 
 

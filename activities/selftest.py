@@ -1,0 +1,183 @@
+"""A node's self-test, run by its own node agent before a quarantined node may rejoin the pool.
+
+Three checks with known answers, each of which a sick accelerator fails in its own way:
+- known-answer GEMM: small integers, so the exact product is representable; any wrong element is
+  a wrong answer, not rounding;
+- bitwise repeatability: the same float GEMM twice must agree bit for bit (silent corruption is
+  rarely repeatable);
+- a collective with known values: two ranks on this node all-reduce rank+1 and must read 3.
+
+`broken()` names the simulated hardware faults currently set on this node (one per check name):
+the check then corrupts its own result the way such hardware would, so the whole path from a bad
+node to its quarantine can be exercised on any machine.
+
+`device` places the tensors (CPU by default). The collective runs on gloo, which also takes CUDA
+tensors; an NCCL variant for GPU hosts belongs here once it can be tested on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+
+import structlog
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from core.fleet import SelfTestResult
+
+log = structlog.get_logger()
+
+CHECKS = ("gemm", "repeatability", "collective")
+GEMM_SIZE = 256
+REPEAT_SIZE = 512
+COLLECTIVE_SIZE = 4096
+SEED = 20260101
+HEARTBEAT_SECONDS = 1.0
+
+
+class SelfTestInput(BaseModel):
+    node: str
+
+
+class Check(BaseModel):
+    passed: bool
+    detail: str
+
+
+class SelfTestActivities:
+    def __init__(
+        self,
+        node: str,
+        broken: Callable[[], set[str]] = set,
+        device: str = "cpu",
+        collective_timeout: timedelta = timedelta(seconds=20),
+    ) -> None:
+        self.node = node
+        self.broken = broken
+        self.device = torch.device(device)
+        self.collective_timeout = collective_timeout
+
+    @activity.defn
+    async def self_test(self, input: SelfTestInput) -> SelfTestResult:
+        """Run every check (a failing one does not skip the rest: the record shows all three)."""
+        if input.node != self.node:
+            # Task queues are per node, so this is a miswired agent: a result from here would vouch for the wrong host.
+            raise ApplicationError(f"self-test for {input.node} reached the agent of {self.node}", non_retryable=True)
+        faults = self.broken()
+        checks: dict[str, Check] = {}
+        progress = {"node": self.node, "check": ""}
+        async with _heartbeating(progress):
+            for name in CHECKS:
+                progress["check"] = name
+                try:
+                    checks[name] = await self._run(name, corrupt=name in faults)
+                except Exception as exc:  # a check that cannot run has not passed
+                    checks[name] = Check(passed=False, detail=f"{name}: could not run: {exc}")
+        passed = all(c.passed for c in checks.values())
+        detail = "; ".join(c.detail for c in checks.values())
+        log.info("self-test finished", node=self.node, passed=passed, detail=detail)
+        return SelfTestResult(
+            node=self.node,
+            passed=passed,
+            checks={name: c.passed for name, c in checks.items()},
+            detail=detail,
+            at=datetime.now(UTC),
+        )
+
+    async def _run(self, name: str, corrupt: bool) -> Check:
+        if name == "gemm":
+            return await asyncio.to_thread(known_answer_gemm, self.device, corrupt)
+        if name == "repeatability":
+            return await asyncio.to_thread(repeatable_gemm, self.device, corrupt)
+        return await collective(self.device, corrupt, self.collective_timeout)
+
+
+def known_answer_gemm(device: torch.device, corrupt: bool = False) -> Check:
+    generator = torch.Generator().manual_seed(SEED)
+    a = torch.randint(-4, 5, (GEMM_SIZE, GEMM_SIZE), generator=generator)
+    b = torch.randint(-4, 5, (GEMM_SIZE, GEMM_SIZE), generator=generator)
+    exact = a @ b  # int64: the answer, computed without floating point
+    # |sum| <= 256 * 16 = 4096 < 2**24: every partial sum is exact in float32, whatever the order.
+    product = (a.float().to(device) @ b.float().to(device)).cpu()
+    if corrupt:
+        product[GEMM_SIZE // 3, GEMM_SIZE // 7] += 1.0
+    error = (product.double() - exact.double()).abs()
+    wrong = int((error != 0).sum())
+    if wrong:
+        return Check(
+            passed=False,
+            detail=f"known-answer GEMM: {wrong} of {error.numel()} elements wrong (max error {error.max().item()})",
+        )
+    return Check(passed=True, detail=f"known-answer GEMM: all {error.numel()} elements exact")
+
+
+def repeatable_gemm(device: torch.device, corrupt: bool = False) -> Check:
+    generator = torch.Generator().manual_seed(SEED)
+    a = torch.randn(REPEAT_SIZE, REPEAT_SIZE, generator=generator).to(device)
+    b = torch.randn(REPEAT_SIZE, REPEAT_SIZE, generator=generator).to(device)
+    first, second = (a @ b).cpu(), (a @ b).cpu()
+    if corrupt:
+        second[0, 0] = torch.nextafter(second[0, 0], torch.tensor(float("inf")))  # one bit off
+    if torch.equal(first, second):
+        return Check(passed=True, detail=f"bitwise repeatability: two {REPEAT_SIZE}×{REPEAT_SIZE} GEMMs identical")
+    differ = int((first != second).sum())
+    return Check(
+        passed=False,
+        detail=f"bitwise repeatability: two {REPEAT_SIZE}×{REPEAT_SIZE} GEMMs differ in {differ} of "
+        f"{first.numel()} elements",
+    )
+
+
+async def collective(device: torch.device, corrupt: bool, timeout: timedelta) -> Check:
+    """All-reduce over two gloo ranks of this process (one thread each), sharing an in-memory store."""
+    store = dist.PrefixStore(f"selftest-{uuid.uuid4().hex}", dist.HashStore())
+    results = await asyncio.gather(
+        *(asyncio.to_thread(_all_reduce_rank, store, rank, device, timeout) for rank in (0, 1)),
+        return_exceptions=True,
+    )
+    failures = [f"rank {rank}: {r}" for rank, r in enumerate(results) if isinstance(r, BaseException)]
+    if failures:
+        return Check(passed=False, detail=f"collective: all-reduce failed ({'; '.join(failures)})")
+    tensors = [r for r in results if isinstance(r, torch.Tensor)]
+    if corrupt:
+        tensors[0][0] += 1.0
+    wrong = [(rank, t[t != 3.0]) for rank, t in enumerate(tensors) if not bool((t == 3.0).all())]
+    if wrong:
+        said = ", ".join(
+            f"rank {rank}: {len(bad)} of {COLLECTIVE_SIZE} wrong (read {bad[0].item():g})" for rank, bad in wrong
+        )
+        return Check(passed=False, detail=f"collective: all-reduce of 1 + 2 should read 3 everywhere; {said}")
+    return Check(passed=True, detail="collective: all-reduce over 2 gloo ranks read 3 everywhere")
+
+
+def _all_reduce_rank(store: dist.Store, rank: int, device: torch.device, timeout: timedelta) -> torch.Tensor:
+    # The constructor the ranks' own init_process_group uses, so the same device resolution is tested.
+    group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    tensor = torch.full((COLLECTIVE_SIZE,), float(rank + 1), device=device)
+    group.allreduce([tensor]).wait(timeout)  # type: ignore[attr-defined]  # torch's stubs omit a backend's collectives
+    return tensor.cpu()
+
+
+@contextlib.asynccontextmanager
+async def _heartbeating(details: dict[str, str]) -> AsyncIterator[None]:
+    """Heartbeat `details` (the check in progress, which the web UI shows) every second meanwhile."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat(dict(details))
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,70 @@
+"""What the `health` query answers and the web UI shows as the run's current details."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel
+
+from core.goodput import Ledger, ledger
+from core.run import CheckpointRecord, RunStatus
+
+
+class Health(BaseModel):
+    """Seed 003 §3's GET /runs/{id}/health, plus where the checkpoint interval comes from."""
+
+    state: str
+    generation: int
+    step: int
+    target_step: int | None
+    loss: float | None
+    step_time_p50: float
+    step_time_max: float
+    slowest_rank: int | None
+    goodput: float
+    ledger: Ledger
+    nodes: list[str]
+    world_size: int
+    interruptions: int
+    last_checkpoint: CheckpointRecord | None
+    checkpoint_interval_s: float | None
+    checkpoint_cost_s: float | None  # C: the blocking seconds of the newest validated checkpoint
+
+    @classmethod
+    def of(cls, status: RunStatus, now: datetime, checkpoint_interval_s: float | None) -> Health:
+        book = ledger(status, now)
+        valid = [c for c in status.checkpoints if c.validated]
+        return cls(
+            state=status.state.value,
+            generation=status.generation,
+            step=status.progress.step,
+            target_step=status.spec.target_step,
+            loss=status.progress.loss,
+            step_time_p50=status.progress.step_seconds_p50,
+            step_time_max=status.progress.step_seconds_max,
+            slowest_rank=status.progress.slowest_rank,
+            goodput=book.goodput,
+            ledger=book,
+            nodes=status.nodes,
+            world_size=status.world_size,
+            interruptions=len(status.interruptions),
+            last_checkpoint=status.latest_valid_checkpoint(),
+            checkpoint_interval_s=checkpoint_interval_s,
+            checkpoint_cost_s=valid[-1].blocking_seconds if valid else None,
+        )
+
+
+def health_table(status: RunStatus, note: str = "") -> str:
+    """A short Markdown table for the web UI's current details."""
+    progress = status.progress
+    last = status.latest_valid_checkpoint()
+    interruption = status.interruptions[-1] if status.interruptions else None
+    rows = [
+        ("state", f"**{status.state.value}**" + (f" — {note}" if note else "")),
+        ("step", f"{progress.step} / {status.spec.target_step or '?'} (generation {status.generation})"),
+        ("nodes", f"{', '.join(status.nodes)} ({status.world_size} ranks)"),
+        ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
+        ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
+        ("interruptions", f"{len(status.interruptions)}" + (f" (last: {interruption.line()})" if interruption else "")),
+    ]
+    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)

@@ -1,0 +1,257 @@
+"""The fleet's decisions: who gets which node, why a node is refused, what a quarantine and a
+self-test do to a node and its record, and the statistics the fleet keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from core import fleet
+from core.fleet import (
+    BASELINE_WINDOW,
+    KEEP_CLOSED_QUARANTINES,
+    KEEP_EVICTIONS,
+    Baseline,
+    EvictionOutcome,
+    FleetError,
+    FleetNode,
+    FleetState,
+    NodeState,
+    SelfTestResult,
+    p_healthy,
+)
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+LATER = T0 + timedelta(minutes=5)
+
+
+def pool(**states: NodeState) -> FleetState:
+    """A fleet of the given nodes in the given states, none assigned."""
+    return FleetState(nodes={n: FleetNode(id=n, rack="r1", state=s, since=T0) for n, s in states.items()})
+
+
+def passed(node: str, ok: bool = True) -> SelfTestResult:
+    checks = {"gemm": ok, "repeatability": True, "collective": True}
+    return SelfTestResult(node=node, passed=ok, checks=checks, detail="gemm ok" if ok else "gemm wrong", at=LATER)
+
+
+# -- acquire ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "assigned_to", "granted", "reason"),
+    [
+        (NodeState.HEALTHY, None, True, None),
+        (NodeState.SPARE, None, True, None),
+        (NodeState.SUSPECT, None, True, None),
+        (NodeState.HEALTHY, "r1", True, None),  # already this run's: a retried request
+        (NodeState.HEALTHY, "r7", False, "n2 is running r7"),
+        (NodeState.SUSPECT, "r7", False, "n2 is running r7"),
+    ],
+)
+def test_acquire_grants_usable_free_nodes(
+    state: NodeState, assigned_to: str | None, granted: bool, reason: str | None
+) -> None:
+    fleet_state = pool(n2=state)
+    fleet_state.nodes["n2"].run_id = assigned_to
+    got, refused = fleet.acquire(fleet_state, "r1", ["n2"], LATER)
+    assert got == (["n2"] if granted else [])
+    assert refused == ({"n2": reason} if reason else {})
+    assert fleet_state.nodes["n2"].run_id == ("r1" if granted else assigned_to)
+
+
+def test_acquire_refuses_quarantined_and_tested_nodes_with_the_reason() -> None:
+    state = pool(n1=NodeState.HEALTHY, n2=NodeState.HEALTHY, n3=NodeState.HEALTHY)
+    fleet.quarantine(state, "n2", "crash in rank 3", "r1", T0)
+    fleet.quarantine(state, "n3", "wrong loss", "r1", T0)
+    fleet.quarantine(state, "n3", "wrong loss", "r2", T0)
+    fleet.start_self_test(state, "n3", T0)
+    granted, refused = fleet.acquire(state, "r9", ["n1", "n2", "n3", "n9"], LATER)
+    assert granted == ["n1"]
+    assert refused == {
+        "n2": "n2 is quarantined: crash in rank 3 (run r1)",
+        "n3": "n3 is under self-test after quarantine: wrong loss (runs r1, r2)",
+        "n9": "n9 is not registered: its node agent has not started",
+    }
+
+
+def test_a_spare_lent_to_a_run_comes_back_a_spare() -> None:
+    state = FleetState()
+    fleet.register(state, "n1", "r1", spare=False, now=T0)
+    fleet.register(state, "n3", "r2", spare=True, now=T0)
+    assert state.nodes["n3"].state == NodeState.SPARE
+    assert fleet.acquire(state, "r1", ["n1", "n3"], LATER) == (["n1", "n3"], {})
+    assert state.nodes["n3"].state == NodeState.HEALTHY  # in the group now, no longer idle
+    assert fleet.release(state, "r1", LATER) == ["n1", "n3"]
+    assert {n.id: (n.state, n.run_id) for n in state.nodes.values()} == {
+        "n1": (NodeState.HEALTHY, None),
+        "n3": (NodeState.SPARE, None),
+    }
+
+
+def test_take_spare_takes_the_first_idle_candidate() -> None:
+    state = pool(n1=NodeState.HEALTHY, n2=NodeState.QUARANTINED, n3=NodeState.SPARE, n4=NodeState.SPARE)
+    state.nodes["n1"].run_id = "r7"
+    assert fleet.take_spare(state, "r1", ["n9", "n1", "n2", "n3", "n4"], LATER) == "n3"
+    assert (state.nodes["n3"].state, state.nodes["n3"].run_id) == (NodeState.HEALTHY, "r1")
+    assert fleet.take_spare(state, "r1", ["n1", "n2"], LATER) is None
+
+
+def test_registering_again_keeps_a_node_out_of_the_pool_and_in_its_run() -> None:
+    state = pool(n1=NodeState.HEALTHY, n2=NodeState.HEALTHY)
+    fleet.acquire(state, "r1", ["n1"], T0)
+    fleet.quarantine(state, "n2", "crash in rank 3", "r1", T0)
+    fleet.register(state, "n1", "r1", spare=True, now=LATER)
+    fleet.register(state, "n2", "r1", spare=False, now=LATER)
+    assert (state.nodes["n1"].state, state.nodes["n1"].run_id) == (NodeState.HEALTHY, "r1")
+    assert state.nodes["n2"].state == NodeState.QUARANTINED
+
+
+# -- quarantine and self-test ----------------------------------------------------------------------
+
+
+def test_quarantine_takes_the_node_from_its_run_and_one_record_collects_every_run() -> None:
+    state = pool(n2=NodeState.HEALTHY)
+    fleet.acquire(state, "r1", ["n2"], T0)
+    first = fleet.quarantine(state, "n2", "crash in rank 3", None, T0)  # an operator's call
+    again = fleet.quarantine(state, "n2", "hang", "r2", LATER)
+    assert again is first
+    assert len(state.quarantines) == 1
+    assert first.reason == "crash in rank 3"
+    assert first.run_ids_affected == ["r1", "r2"]  # r1 held the node, r2 reported it later
+    assert (state.nodes["n2"].state, state.nodes["n2"].run_id) == (NodeState.QUARANTINED, None)
+    assert fleet.release(state, "r1", LATER) == []
+
+
+@pytest.mark.parametrize(("spare", "back_as"), [(False, NodeState.HEALTHY), (True, NodeState.SPARE)])
+def test_a_passed_self_test_returns_the_node_and_closes_its_record(spare: bool, back_as: NodeState) -> None:
+    state = FleetState()
+    fleet.register(state, "n2", "r1", spare=spare, now=T0)
+    record = fleet.quarantine(state, "n2", "crash in rank 3", "r1", T0)
+    fleet.start_self_test(state, "n2", T0)
+    assert state.nodes["n2"].state == NodeState.TESTING
+    fleet.finish_self_test(state, passed("n2"), LATER)
+    assert state.nodes["n2"].state == back_as
+    assert record.released_at == LATER
+    assert [t.passed for t in record.self_tests] == [True]
+    assert fleet.acquire(state, "r2", ["n2"], LATER) == (["n2"], {})
+
+
+def test_a_failed_self_test_keeps_the_node_out_and_the_record_open() -> None:
+    state = pool(n2=NodeState.HEALTHY)
+    record = fleet.quarantine(state, "n2", "wrong loss", "r1", T0)
+    fleet.start_self_test(state, "n2", T0)
+    fleet.finish_self_test(state, passed("n2", ok=False), LATER)
+    assert state.nodes["n2"].state == NodeState.QUARANTINED
+    assert record.open
+    assert record.self_tests[-1].detail == "gemm wrong"
+    assert fleet.acquire(state, "r2", ["n2"], LATER)[1] == {"n2": "n2 is quarantined: wrong loss (run r1)"}
+    # After a repair the retest passes; the second quarantine of the same node opens a new record.
+    fleet.start_self_test(state, "n2", LATER)
+    fleet.finish_self_test(state, passed("n2"), LATER)
+    assert not record.open
+    fleet.quarantine(state, "n2", "hang", "r3", LATER)
+    assert [q.reason for q in state.quarantines] == ["wrong loss", "hang"]
+
+
+def test_suspect_nodes_stay_usable_and_a_quarantined_one_stays_out() -> None:
+    state = pool(n1=NodeState.HEALTHY, n2=NodeState.QUARANTINED)
+    fleet.mark_suspect(state, "n1", "slow steps", T0)
+    fleet.mark_suspect(state, "n2", "slow steps", T0)
+    assert (state.nodes["n1"].state, state.nodes["n1"].note) == (NodeState.SUSPECT, "slow steps")
+    assert state.nodes["n2"].state == NodeState.QUARANTINED
+    assert fleet.acquire(state, "r1", ["n1"], LATER) == (["n1"], {})
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (lambda s: fleet.quarantine(s, "n9", "crash", "r1", T0), "'n9' is not a node of this fleet"),
+        (lambda s: fleet.quarantine(s, "n1", " ", "r1", T0), "quarantine reason is empty"),
+        (lambda s: fleet.quarantine(s, "n1", "crash", "", T0), "run_id is empty"),
+        (lambda s: fleet.start_self_test(s, "n1", T0), "n1 is healthy: only a quarantined node is self-tested"),
+        (lambda s: fleet.start_self_test(s, "n3", T0), "n3 is already being self-tested"),
+        (lambda s: fleet.finish_self_test(s, passed("n1"), T0), "n1 is healthy, not under test"),
+        (lambda s: fleet.acquire(s, "", ["n1"], T0), "run_id is empty"),
+        (lambda s: fleet.acquire(s, "r1", [], T0), "no nodes wanted"),
+        (lambda s: fleet.register(s, "N 1", "r1", False, T0), "node id 'N 1' must be lowercase"),
+        (lambda s: fleet.register(s, "n4", "", False, T0), "rack is empty"),
+        (lambda s: fleet.record_eviction(s, "n9", "r1", True, T0), "'n9' is not a node"),
+        (lambda s: fleet.record_baseline(s, "abc", 0.0), "not a step time"),
+        (lambda s: fleet.record_baseline(s, "abc", float("nan")), "not a step time"),
+    ],
+)
+def test_impossible_requests_are_refused_with_the_reason(
+    request_: Callable[[FleetState], object], message: str
+) -> None:
+    state = pool(n1=NodeState.HEALTHY, n2=NodeState.QUARANTINED, n3=NodeState.TESTING)
+    before = state.model_copy(deep=True)
+    with pytest.raises(FleetError, match=message):
+        request_(state)
+    assert state == before  # refused means nothing changed
+
+
+# -- what the fleet learns -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("resolved", "total", "expected"),
+    [(0, 0, 0.5), (1, 1, 2 / 3), (0, 1, 1 / 3), (9, 10, 10 / 12), (0, 10, 1 / 12)],
+)
+def test_p_healthy_starts_at_even_odds_and_follows_the_history(resolved: int, total: int, expected: float) -> None:
+    outcomes = [EvictionOutcome(node="n1", run_id="r1", at=T0, resolved=i < resolved) for i in range(total)]
+    assert p_healthy(outcomes) == pytest.approx(expected)
+
+
+def test_p_healthy_without_a_prior_is_the_plain_fraction() -> None:
+    outcomes = [EvictionOutcome(node="n1", run_id="r1", at=T0, resolved=r) for r in (True, True, False, True)]
+    assert p_healthy(outcomes, prior_resolved=0, prior_total=0) == 0.75
+
+
+def test_recorded_evictions_feed_p_healthy() -> None:
+    state = pool(n1=NodeState.HEALTHY)
+    fleet.record_eviction(state, "n1", "r1", resolved=True, now=T0)
+    fleet.record_eviction(state, "n1", "r2", resolved=True, now=LATER)
+    assert p_healthy(state.evictions) == pytest.approx(3 / 4)
+
+
+def test_baseline_median_and_mad_ignore_one_slow_window() -> None:
+    baseline = Baseline(config_digest="abc", step_seconds=[1.0, 1.1, 0.9, 1.0, 9.0])
+    assert baseline.median == 1.0
+    # |x - 1.0| = 0, 0.1, 0.1, 0, 8 → median 0.1, scaled to σ by 1.4826
+    assert baseline.mad == pytest.approx(0.14826)
+
+
+def test_record_baseline_keeps_the_newest_window_medians_per_config() -> None:
+    state = FleetState()
+    for i in range(BASELINE_WINDOW + 50):
+        fleet.record_baseline(state, "abc", 1.0 + i)
+    fleet.record_baseline(state, "other", 2.0)
+    kept = state.baselines["abc"].step_seconds
+    assert len(kept) == BASELINE_WINDOW
+    assert (kept[0], kept[-1]) == (51.0, 250.0)
+    assert state.baselines["other"].step_seconds == [2.0]
+
+
+def test_history_that_rides_along_continue_as_new_is_capped() -> None:
+    state = pool(n1=NodeState.HEALTHY)
+    for i in range(KEEP_EVICTIONS + 5):
+        fleet.record_eviction(state, "n1", f"r{i}", resolved=True, now=T0)
+    assert len(state.evictions) == KEEP_EVICTIONS
+    assert state.evictions[0].run_id == "r5"
+    fleet.quarantine(state, "n1", "still broken", "r0", T0)  # an open record is never dropped
+    state.nodes["n2"] = FleetNode(id="n2", rack="r1", state=NodeState.HEALTHY, since=T0)
+    for i in range(KEEP_CLOSED_QUARANTINES + 3):
+        fleet.quarantine(state, "n2", f"fault {i}", None, T0)
+        fleet.start_self_test(state, "n2", T0)
+        fleet.finish_self_test(state, passed("n2"), LATER)
+    reasons = [q.reason for q in state.quarantines]
+    assert len(reasons) == KEEP_CLOSED_QUARANTINES + 1
+    assert reasons[:2] == ["still broken", "fault 3"]
+
+
+def test_empty_baseline_cannot_exist() -> None:
+    with pytest.raises(ValueError, match="at least 1 item"):
+        Baseline(config_digest="abc", step_seconds=[])

@@ -1,0 +1,146 @@
+"""One generation's activities: `run_ranks` on every node, the run monitor, the checkpoint keeper.
+
+A generation starts one of three ways: fresh ranks restoring a checkpoint (the first launch, or
+after a crash), survivors rejoining in place after a hold (drain, pause), or re-attaching to ranks
+that never stopped (the next segment after continue-as-new).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from temporalio import workflow
+from temporalio.workflow import ActivityHandle
+
+from workflows import calls
+
+with workflow.unsafe.imports_passed_through():
+    from activities.checkpoints import KeeperInput, KeeperResult
+    from core.events import MonitorEvent, MonitorInput, NodeOutcome
+    from core.faults import BrokenNode
+    from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
+    from core.retention import to_delete
+    from core.run import RunStatus
+
+
+@dataclass
+class Generation:
+    number: int
+    nodes: dict[str, ActivityHandle[NodeOutcome]]
+    monitor: ActivityHandle[MonitorEvent] | None
+    keeper: ActivityHandle[KeeperResult] | None
+    finished: set[str] = field(default_factory=set)
+
+    def waiting(self) -> list[asyncio.Future]:
+        running = [task for node, task in self.nodes.items() if node not in self.finished]
+        return running + [h for h in (self.monitor, self.keeper) if h is not None]
+
+    async def cancel(self) -> None:
+        """Stop watching. The ranks themselves keep running until an activity stops them."""
+        live = [h for h in [*self.nodes.values(), self.monitor, self.keeper] if h is not None and not h.done()]
+        for handle in live:
+            handle.cancel()
+        await asyncio.gather(*live, return_exceptions=True)
+
+
+def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[MonitorEvent]:
+    resume = status.latest_valid_checkpoint()
+    return calls.monitor(
+        MonitorInput(
+            run_id=status.run_id,
+            generation=status.generation,
+            world_size=status.world_size,
+            endpoints=status.endpoints,
+            resume_step=resume.step if resume else 0,
+            await_first_step=first_step,
+            after=status.telemetry_cursor,
+        )
+    )
+
+
+def keeper(status: RunStatus, checkpoint_steps: float) -> ActivityHandle[KeeperResult]:
+    assert status.started_at is not None
+    dropped = to_delete(status.checkpoints, status.started_at, status.spec.sdc.self_check_every, checkpoint_steps)
+    mine = [c.step for c in status.checkpoints if c.generation == status.generation]
+    return calls.keeper(
+        KeeperInput(
+            run_id=status.run_id,
+            generation=status.generation,
+            root=status.spec.checkpoint.root,
+            endpoints=status.endpoints,
+            after=status.checkpoint_cursor,
+            reference=status.latest_valid_checkpoint(),
+            delete=[c.path for c in dropped],
+        ),
+        max(mine, default=None),
+    )
+
+
+async def endpoints(status: RunStatus, fresh_store: bool) -> list[NodeEndpoint]:
+    """Every node's agent, in node order: asked again only for nodes new to the run and for the node
+    that hosts this generation's rendezvous store (a fresh one every generation)."""
+    known = {e.node: e for e in status.endpoints}
+    host = status.nodes[0]
+    answer_within = status.spec.health.node_heartbeat_timeout
+    asked = [n for n in status.nodes if n not in known or (n == host and fresh_store)]
+    answers = await asyncio.gather(
+        *(calls.prepare(status.run_id, status.generation, n, n == host, answer_within) for n in asked)
+    )
+    known |= {e.node: e for e in answers}
+    return [known[n] for n in status.nodes]
+
+
+def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps: float) -> Generation:
+    """Start (or re-attach to) the generation `status` describes; its endpoints are already known."""
+    spec = status.spec
+    rendezvous = status.endpoints[0].rendezvous
+    assert rendezvous is not None, "the first node hosts the rendezvous store"
+    membership = status.membership
+    resume = status.latest_valid_checkpoint()
+    env = spec.env | supervision_env(
+        spec,
+        status.run_id,
+        status.checkpoint_dir,
+        status.generation,
+        resume.path if resume and membership is None else None,
+        checkpoint_seconds,
+        status.endpoints,
+    )
+    if membership is not None and membership.newcomers:
+        env["STAYALIVE_STATE_FROM_RANK0"] = "1"
+    if status.reattach:
+        origin = "re-attached after continue-as-new"
+    elif membership is not None:
+        origin = "survivors rejoin in place" + (
+            f", {', '.join(membership.newcomers)} joins" if membership.newcomers else ""
+        )
+    else:
+        origin = f"from checkpoint step {resume.step}" if resume else "from scratch"
+    nodes = {
+        node: calls.run_ranks(
+            NodeLaunch(
+                run_id=status.run_id,
+                node=node,
+                generation=status.generation,
+                ranks=ranks,
+                world_size=status.world_size,
+                rendezvous=rendezvous,
+                entrypoint=spec.entrypoint,
+                env=env,
+                adopt=membership.adopt.get(node, {}) if membership else {},
+                broken=[f.part for f in spec.faults if isinstance(f, BrokenNode) and f.node == node],
+            ),
+            origin,
+            spec.health.node_heartbeat_timeout,
+        )
+        for node, ranks in assign_ranks(status.nodes, spec.ranks_per_node).items()
+    }
+    hooks = spec.hooks
+    first_step = not status.reattach
+    return Generation(
+        number=status.generation,
+        nodes=nodes,
+        monitor=monitor(status, first_step) if hooks else None,
+        keeper=keeper(status, checkpoint_steps) if hooks else None,
+    )
