@@ -19,6 +19,7 @@ from temporalio import activity
 
 from activities.hub import NodeHub
 from activities.processes import RankProcess, start_rank, stop_ranks
+from activities.standby import StandbyPool
 from core.events import NodeOutcome, RankFailed, RanksFinished
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env
 from core.telemetry import Command, RankExited, Rejoin
@@ -43,8 +44,9 @@ def resolve_argv(argv: list[str]) -> list[str]:
 
 
 class NodeActivities:
-    def __init__(self, node: str, hub: NodeHub, state_dir: Path) -> None:
+    def __init__(self, node: str, hub: NodeHub, state_dir: Path, standby: StandbyPool | None = None) -> None:
         self.node = node
+        self.standby = standby  # warm processes that fresh ranks start in (activities/standby.py)
         self.hub = hub
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
@@ -153,8 +155,9 @@ class NodeActivities:
         for local_rank, rank in enumerate(launch.ranks):
             if rank in launch.adopt:
                 continue
-            env = self._env(launch, local_rank)
-            ranks.append(await start_rank(rank, launch.generation, argv, env, run_dir / f"rank-{rank}.log"))
+            env, log_path = self._env(launch, local_rank), run_dir / f"rank-{rank}.log"
+            warm = await self.standby.take(rank, launch.generation, argv, env, log_path) if self.standby else None
+            ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path))
         if not ranks:
             return ranks
         self.ranks[launch.run_id] += ranks

@@ -13,8 +13,10 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,18 +59,27 @@ class RankProcess:
             return ""
 
 
+async def spawn(
+    argv: list[str], env: dict[str, str], stdin: int | IO[Any], stdout: int | IO[Any], pass_fds: Sequence[int] = ()
+) -> asyncio.subprocess.Process:
+    """Start a process the way every rank process starts (a rank, or a warm standby that becomes one):
+    its own session, dying with this agent, stderr into stdout."""
+    return await asyncio.create_subprocess_exec(
+        *argv,
+        env=env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
+        pass_fds=pass_fds,
+    )
+
+
 async def start_rank(rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path) -> RankProcess:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            env={**os.environ, **env},
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-        )
+        process = await spawn(argv, {**os.environ, **env}, asyncio.subprocess.DEVNULL, log_file)
     return RankProcess(rank=rank, generation=generation, process=process, log_path=log_path)
 
 

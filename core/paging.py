@@ -34,6 +34,10 @@ class Classification(BaseModel):
     action: str
 
 
+# A drain, a pause or a rollback: a person or a detector asked for it; nothing to page about.
+PLANNED = Classification(paging=PagingClass.INDEPENDENT, rule="planned", evidence="asked for", action="none")
+
+
 def classify(
     history: list[Interruption], latest: Interruption, baseline_mtbf_s: float, goodput_last_hour: float | None
 ) -> Classification:

@@ -32,6 +32,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
 
 @pytest.fixture(scope="session")
 async def client(stack: DevStack) -> AsyncIterator[Client]:
+    await stack.ready()
     yield await connect(stack.address)
 
 

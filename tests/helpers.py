@@ -11,9 +11,11 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowHandle
 
+from core.fleet import FleetNode
 from core.run import RunStatus
 from core.spec import RunSpec
 from core.telemetry import Record, StepReport, Subscribe
+from workflows.fleet import FleetWorkflow, fleet_id
 from workflows.run import RunWorkflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +127,37 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
     finally:
         writer.close()
     raise TimeoutError(f"{handle.id}: step {step} not reached")
+
+
+async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str, str, object]]:
+    """The run's activities in history order: ("scheduled", type, summary) and ("completed", type, result)."""
+    types: dict[int, str] = {}
+    log: list[tuple[str, str, object]] = []
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            types[event.event_id] = name
+            summary = await client.data_converter.decode([event.user_metadata.summary])
+            log.append(("scheduled", name, summary[0]))
+        elif event.HasField("activity_task_completed_event_attributes"):
+            attributes = event.activity_task_completed_event_attributes
+            result = (
+                await client.data_converter.decode(attributes.result.payloads) if attributes.result.payloads else [None]
+            )
+            log.append(("completed", types[attributes.scheduled_event_id], result[0]))
+    return log
+
+
+async def fleet_nodes(client: Client) -> dict[str, FleetNode]:
+    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    return {n.id: n for n in await fleet.query(FleetWorkflow.nodes)}
+
+
+async def wait_for_fleet(
+    client: Client, predicate: Callable[[dict[str, FleetNode]], bool], timeout: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate(await fleet_nodes(client)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fleet condition not reached in {timeout}s: {await fleet_nodes(client)}")
+        await asyncio.sleep(0.3)

@@ -106,6 +106,7 @@ def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
         stack = DevStack(state_dir=state_dir, nodes=DEMO_NODES, spares=["n3"], detach=True)
         console.print("Starting the dev stack: Temporal dev server + web UI, supervisor worker, node agents n1 n2 n3 …")
         stack.start()
+        asyncio.run(stack.ready())
     return stack_address(state_dir)
 
 

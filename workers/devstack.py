@@ -7,6 +7,7 @@ attached, on free ports, and kill or restart its processes one at a time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -17,6 +18,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from workers.supervisor import connect
+from workflows.fleet import FleetWorkflow, fleet_id
 
 
 class StackError(Exception):
@@ -58,6 +62,7 @@ class DevStack:
     ui_port: int | None = 8233
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
+    standby: int | None = None  # warm standby processes per node agent (None: the agent's default)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -75,6 +80,23 @@ class DevStack:
             self.start_agent(node)
         if self.detach:
             self._write_record()
+
+    async def ready(self, timeout: float = 60.0) -> None:
+        """Wait until every node agent has registered with the fleet: before that, a run would be
+        refused the nodes whose agents are still starting."""
+        client = await connect(self.address)
+        fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if {n.id for n in await fleet.query(FleetWorkflow.nodes)} >= set(self.nodes):
+                    return
+            except Exception:  # the fleet workflow is being started by the first agent or the supervisor
+                pass
+            await asyncio.sleep(0.2)
+        raise StackError(
+            f"node agents did not all register with the fleet within {timeout:g}s; see {self._log('supervisor')}"
+        )
 
     def start_temporal(self, timeout: float = 30.0) -> None:
         if port_open(self.port):
@@ -115,6 +137,7 @@ class DevStack:
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if node in self.spares else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
+        argv += ["--standby", str(self.standby)] if self.standby is not None else []
         self._spawn(f"agent-{node}", argv)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -22,6 +22,7 @@ from temporalio.worker import Worker
 from activities.hub import NodeHub
 from activities.node import NodeActivities
 from activities.selftest import SelfTestActivities
+from activities.standby import StandbyPool
 from core.launch import node_queue
 from training.logs import configure_logging
 from workers.supervisor import connect
@@ -61,7 +62,11 @@ async def register(client: Client, node: str, rack: str, spare: bool) -> None:
 async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
     await hub.start()
-    node = NodeActivities(args.node, hub, args.state_dir / "nodes" / args.node)
+    node_dir = args.state_dir / "nodes" / args.node
+    standby = StandbyPool(args.standby, node_dir) if args.standby > 0 else None
+    if standby is not None:
+        standby.start()
+    node = NodeActivities(args.node, hub, node_dir, standby)
     self_test = SelfTestActivities(args.node, broken=lambda: node.broken)
     client = await connect(args.address, args.namespace)
     worker = Worker(
@@ -83,6 +88,8 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     finally:
         registration.cancel()
         hub.close()
+        if standby is not None:
+            await standby.close()
 
 
 def main() -> None:
@@ -96,6 +103,9 @@ def main() -> None:
     parser.add_argument("--advertise", default=None, help="address other hosts reach this one at (default --host)")
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
     parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
+    parser.add_argument(
+        "--standby", type=int, default=2, metavar="N", help="warm processes kept for restarting ranks (0: none)"
+    )
     args = parser.parse_args()
     configure_logging(node=args.node)
     asyncio.run(serve(args, args.memory_dir or default_memory_dir(args.node)))

@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from core.health import Health, health_table
     from core.interval import checkpoint_seconds, checkpoint_steps
     from core.launch import Membership, without_node
-    from core.paging import PagingClass, classify
+    from core.paging import PLANNED, PagingClass, classify
     from core.recovery import interruption_from, supersede
     from core.run import Cause, CheckpointRecord, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
@@ -336,7 +336,7 @@ class RunWorkflow:
             interruption.actions.append(f"no spare free: continuing on {len(membership.nodes)} nodes")
         else:
             interruption.actions.append(f"no spare free and {len(membership.nodes)} nodes < min {self.spec.min_nodes}")
-        self.status.nodes = membership.nodes
+        self.status.nodes = list(membership.nodes)
         return membership
 
     def _record(self, interruption: Interruption) -> None:
@@ -397,6 +397,7 @@ class RunWorkflow:
             restored_from="live",
             detail=request.reason,
             actions=[f"every rank held at step {held_at} with a checkpoint of it"],
+            paging=PLANNED,
         )
         interruption.resumed_at(held_at)
         if request.kind == "drain":
@@ -450,6 +451,7 @@ class RunWorkflow:
             step=self.status.progress.step,
             detail=f"resume_from step {step}",
             actions=[f"marked {len(superseded)} later checkpoints superseded"],
+            paging=PLANNED,
         )
         self._record(interruption)
         if self.status.state == RunState.STOPPED:
@@ -471,6 +473,9 @@ class RunWorkflow:
                 if spare := await calls.take_spare(self.run_id, self._spare_candidates()):
                     self.status.nodes.append(spare)
                     self.status.spares_used.append(spare)
+                    if (membership := self.status.membership) is not None:  # survivors are holding
+                        membership.nodes = list(self.status.nodes)
+                        membership.newcomers.append(spare)
                 if len(self.status.nodes) >= self.spec.min_nodes:
                     self._set_state(RunState.RESUMING)
                 delay = min(delay * 2, 60.0)

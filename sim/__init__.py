@@ -1,0 +1,9 @@
+"""The fleet simulator (DESIGN §8): the real RunWorkflow, simulated activities.
+
+    cluster = SimulatedCluster(["n1", "n2", "n3"], FailureSchedule.crash_every_generation(300, 150, world_size=4))
+    async with simulated_workers(client, cluster):
+        result = await client.execute_workflow(RunWorkflow.run, spec, id="run", task_queue="stayalive")
+
+sim/cluster.py holds the simulated run (steps, checkpoints, failures, the node pool);
+sim/activities.py answers the workflow's activities from it; sim/workers.py serves them.
+"""

@@ -1,0 +1,181 @@
+"""Simulated activities: the real activities' names and types, answered from a SimulatedCluster.
+
+Registered in place of activities/node.py (each node's queue) and activities/monitor.py,
+activities/checkpoints.py, activities/fleet.py (the supervisor's queue), they let the real
+RunWorkflow run a whole run in seconds. Every activity returns at once or waits on the cluster,
+never on a long sleep: in the time-skipping test server, time runs for real while an activity is
+outstanding, so simulated time is the step numbers and timestamps these activities report.
+
+An activity the workflow cancels (a monitor or keeper with nothing more to report, the ranks of a
+generation another node ended) waits heartbeating: a cancel reaches an activity only in the reply
+to a heartbeat. Run these workers with a short `max_heartbeat_throttle_interval` (sim/workers.py
+does) so that cancelled activities go away at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
+from activities.fleet import Replace, Replacement
+from activities.node import NodeCommand, PrepareNode
+from activities.selftest import SelfTestInput
+from core.events import FirstStep, MonitorEvent, MonitorInput, NodeOutcome
+from core.fleet import SelfTestResult
+from core.launch import Endpoint, NodeEndpoint, NodeLaunch
+from core.run import CheckpointRecord
+from core.telemetry import Held
+from sim.cluster import CURSOR, SimulatedCluster, SimulatedGeneration
+from workflows.fleet import Acquire, Grant, Release, TakeSpare
+
+HEARTBEAT_SECONDS = 0.05
+HUB_PORT = 7000  # endpoints name the simulated node; nothing connects to them
+RENDEZVOUS_PORT = 29500
+
+
+class SimulatedNode:
+    """One node agent's activities, on task queue `node.<id>`."""
+
+    def __init__(self, cluster: SimulatedCluster, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.ranks: dict[str, list[int]] = {}  # run → the ranks this node runs now
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [self.prepare_node, self.run_ranks, self.release_run, self.send_command, self.self_test]
+
+    @activity.defn(name="prepare_node")
+    async def prepare_node(self, request: PrepareNode) -> NodeEndpoint:
+        rendezvous = Endpoint(host=self.node, port=RENDEZVOUS_PORT) if request.host_rendezvous else None
+        return NodeEndpoint(node=self.node, hub=Endpoint(host=self.node, port=HUB_PORT), rendezvous=rendezvous)
+
+    @activity.defn(name="run_ranks")
+    async def run_ranks(self, launch: NodeLaunch) -> NodeOutcome:
+        generation = self.cluster.launch(launch)
+        self.ranks[launch.run_id] = launch.ranks
+        outcome = generation.outcome(self.node, launch.ranks)
+        if outcome is None:
+            await until_cancelled(self.cluster)
+        await until(self.cluster, lambda: self.cluster.caught_up(generation), not_before=generation.ends_at)
+        return outcome
+
+    @activity.defn(name="release_run")
+    async def release_run(self, run_id: str) -> int:
+        return len(self.ranks.pop(run_id, []))
+
+    @activity.defn(name="send_command")
+    async def send_command(self, request: NodeCommand) -> int:
+        return len(self.ranks.get(request.run_id, []))
+
+    @activity.defn(name="self_test")
+    async def self_test(self, input: SelfTestInput) -> SelfTestResult:
+        checks = {"gemm": True, "repeatability": True, "collective": True}
+        return SelfTestResult(node=self.node, passed=True, checks=checks, detail="simulated", at=datetime.now(UTC))
+
+
+class SimulatedSupervisor:
+    """The supervisor's run-level activities, on task queue `stayalive`."""
+
+    def __init__(self, cluster: SimulatedCluster) -> None:
+        self.cluster = cluster
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [
+            self.monitor_run,
+            self.await_hold,
+            self.keep_checkpoints,
+            self.choose_checkpoint,
+            self.acquire_nodes,
+            self.replace_node,
+            self.take_spare,
+            self.release_nodes,
+        ]
+
+    @activity.defn(name="monitor_run")
+    async def monitor_run(self, input: MonitorInput) -> MonitorEvent:
+        generation = await launched(self.cluster, input.run_id, input.generation)
+        if not input.await_first_step:
+            # Asked for the next decision, so the workflow has recorded the first step. No detector
+            # is simulated (hangs, stragglers): nothing more to report until the generation ends.
+            self.cluster.take_first_step(generation)
+            await until_cancelled(self.cluster)
+        await until(self.cluster, lambda: True, not_before=generation.first_step_at)
+        return FirstStep(
+            step=generation.resume_step + 1,
+            at=generation.first_step_at,
+            restored_from="storage" if generation.resume_step else None,
+            progress=generation.first_step(),
+            after=input.after,
+        )
+
+    @activity.defn(name="await_hold")
+    async def await_hold(self, input: MonitorInput) -> Held:
+        raise ApplicationError("the simulator does not model holds (drain, pause) yet", non_retryable=True)
+
+    @activity.defn(name="keep_checkpoints")
+    async def keep_checkpoints(self, input: KeeperInput) -> KeeperResult:
+        cursor = input.after.get(CURSOR, 0)
+        self.cluster.take_checkpoints(input.run_id, cursor)
+        generation = await launched(self.cluster, input.run_id, input.generation)
+        pending = generation.checkpoint_after(cursor)
+        if pending is None:
+            await until_cancelled(self.cluster)
+        seq, step = pending
+        # Reported after the first step is recorded, so that progress only moves forward.
+        await until(self.cluster, lambda: generation.first_step_taken, not_before=generation.committed_at(step))
+        return KeeperResult(checkpoint=generation.checkpoint(step), after={CURSOR: seq}, deleted=input.delete)
+
+    @activity.defn(name="choose_checkpoint")
+    async def choose_checkpoint(self, input: ChooseInput) -> list[CheckpointRecord]:
+        # A generation ends only once the workflow has recorded its checkpoints: nothing is left to judge.
+        return []
+
+    @activity.defn(name="acquire_nodes")
+    async def acquire_nodes(self, request: Acquire) -> Grant:
+        return self.cluster.acquire(request.run_id, request.wanted)
+
+    @activity.defn(name="replace_node")
+    async def replace_node(self, request: Replace) -> Replacement:
+        record = self.cluster.quarantine(request.run_id, request.node, request.reason)
+        return Replacement(quarantine=record, spare=self.cluster.take_spare(request.run_id, request.candidates))
+
+    @activity.defn(name="take_spare")
+    async def take_spare(self, request: TakeSpare) -> str | None:
+        return self.cluster.take_spare(request.run_id, request.candidates)
+
+    @activity.defn(name="release_nodes")
+    async def release_nodes(self, request: Release) -> list[str]:
+        return self.cluster.release(request.run_id)
+
+
+async def launched(cluster: SimulatedCluster, run_id: str, number: int) -> SimulatedGeneration:
+    """The generation, once some node has launched its ranks (no telemetry before that)."""
+    await until(cluster, lambda: cluster.generation(run_id, number) is not None)
+    generation = cluster.generation(run_id, number)
+    assert generation is not None
+    return generation
+
+
+async def until(cluster: SimulatedCluster, ready: Callable[[], bool], not_before: float = 0.0) -> None:
+    """Wait until `ready()` holds and the cluster's clock has reached `not_before`, heartbeating."""
+    while True:
+        changed = cluster.changed  # taken before the check: a change after it still wakes this wait
+        now = cluster.clock()
+        if ready() and now >= not_before:
+            return
+        activity.heartbeat()
+        timeout = min(HEARTBEAT_SECONDS, not_before - now) if ready() else HEARTBEAT_SECONDS
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout)
+
+
+async def until_cancelled(cluster: SimulatedCluster) -> NoReturn:
+    await until(cluster, lambda: False)
+    raise AssertionError("a wait for nothing ended without a cancel")
