@@ -17,6 +17,11 @@ class RanksFinished(BaseModel):
     last_step: int | None
 
 
+# What a rank prints when a collective failed because a peer went away: it died of someone else's
+# failure, so it is a witness, not the culprit.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe", "Socket Timeout")
+
+
 class RankFailed(BaseModel):
     kind: Literal["rank_failed"] = "rank_failed"
     node: str
@@ -26,6 +31,10 @@ class RankFailed(BaseModel):
     last_step: int | None
     at: float
     log_tail: str = ""
+
+    @property
+    def peer_lost(self) -> bool:
+        return any(marker in self.log_tail for marker in _PEER_LOST)
 
 
 class NodeLost(BaseModel):

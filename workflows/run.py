@@ -240,8 +240,9 @@ class RunWorkflow:
                     if isinstance(outcome, RanksFinished):
                         gen.finished.add(node)
                     else:
+                        culprit = await self._culprit(gen, outcome)
                         await gen.cancel()
-                        await self._recover(outcome)
+                        await self._recover(culprit)
                         return
             if len(gen.finished) == len(gen.nodes):
                 await self._finish(gen)
@@ -253,6 +254,25 @@ class RunWorkflow:
                 self.status.reattach = True
                 await gen.cancel()
                 return
+
+    async def _culprit(self, gen: Generation, first: RankFailed | NodeLost) -> RankFailed | NodeLost:
+        """A rank that died of a lost peer is a witness: wait (up to a heartbeat timeout) for the node
+        that actually failed, whose agent reports a crash or falls silent."""
+        if not (isinstance(first, RankFailed) and first.peer_lost):
+            return first
+        deadline = workflow.now() + timedelta(seconds=self.spec.health.node_heartbeat_timeout + 5)
+        pending = {task: node for node, task in gen.nodes.items() if node not in gen.finished and node != first.node}
+        while pending and workflow.now() < deadline:
+            done, _ = await workflow.wait(
+                list(pending), timeout=(deadline - workflow.now()).total_seconds(), return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                outcome = await self._outcome(pending.pop(task), task)
+                if isinstance(outcome, NodeLost) or (isinstance(outcome, RankFailed) and not outcome.peer_lost):
+                    return outcome
+            if not done:
+                break
+        return first
 
     async def _outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
@@ -317,6 +337,8 @@ class RunWorkflow:
             interruption.actions.append("marked the checkpoint it was given unusable")
         else:
             await self._replace(interruption, failure.node, interruption.line())
+            if isinstance(failure, RankFailed):  # its agent is up: stop the node's other ranks, free its memory
+                await calls.release(self.run_id, failure.node)
         self._record(interruption)
         if interruption.paging.paging == PagingClass.DETERMINISTIC:
             self._stop(f"{interruption.paging.rule}: {interruption.paging.evidence}. {interruption.paging.action}")
@@ -521,8 +543,9 @@ class RunWorkflow:
         await asyncio.gather(*(calls.command(self.run_id, node, command, summary) for node in self.status.nodes))
 
     async def _release(self) -> None:
-        nodes = set(self.status.nodes) | set(self.spec.nodes) | set(self.status.spares_used)
-        await asyncio.gather(*(calls.release(self.run_id, node) for node in sorted(nodes)), return_exceptions=True)
+        """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.
+        (Nodes that left the group earlier were released then, or died with the ranks on them.)"""
+        await asyncio.gather(*(calls.release(self.run_id, n) for n in self.status.nodes), return_exceptions=True)
         await calls.release_nodes(self.run_id)
 
     def _set_state(self, state: RunState, note: str = "") -> None:

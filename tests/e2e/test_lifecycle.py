@@ -30,12 +30,6 @@ from workflows.run import DrainNode, ResumeFrom, RunWorkflow
 GLOBAL_BATCH = 8
 
 
-@pytest.fixture(autouse=True)
-async def settled_fleet(client: Client) -> None:
-    """Each test starts with n1, n2, n3 usable and free (self-tests from earlier tests are over)."""
-    await wait_for_fleet(client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in nodes))
-
-
 def samples_once(reports: list[StepReport], resumed: list[int], target: int) -> bool:
     """Every sample position up to the target read exactly once along the run's final lineage."""
     starts, ends = [0, *resumed], [*resumed, target]
