@@ -8,7 +8,17 @@ from temporalio import activity
 from temporalio.client import Client
 
 from core.fleet import Quarantine
-from workflows.fleet import Acquire, FleetWorkflow, Grant, QuarantineNode, Release, TakeSpare, fleet_id
+from core.fleet import Baseline
+from core.fleet_requests import (
+    Acquire,
+    Grant,
+    MarkSuspect,
+    QuarantineNode,
+    RecordBaseline,
+    Release,
+    TakeSpare,
+    fleet_id,
+)
 
 
 class Replace(BaseModel):
@@ -18,6 +28,11 @@ class Replace(BaseModel):
     candidates: list[str]  # spares the run may take, in order of preference
 
 
+class RecordWindows(BaseModel):
+    config_digest: str
+    medians: list[float]
+
+
 class Replacement(BaseModel):
     quarantine: Quarantine
     spare: str | None
@@ -25,25 +40,44 @@ class Replacement(BaseModel):
 
 class FleetActivities:
     def __init__(self, client: Client, cluster: str = "default") -> None:
-        self.fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id(cluster))
+        self.fleet = client.get_workflow_handle(fleet_id(cluster))
 
     @activity.defn
     async def acquire_nodes(self, request: Acquire) -> Grant:
-        return await self.fleet.execute_update(FleetWorkflow.acquire, request)
+        return await self.fleet.execute_update("acquire", request, result_type=Grant)
 
     @activity.defn
     async def replace_node(self, request: Replace) -> Replacement:
         """Quarantine the node (its self-test starts) and take a spare in its place, if one is free."""
-        record = await self.fleet.execute_update(
-            FleetWorkflow.quarantine, QuarantineNode(node=request.node, reason=request.reason, run_id=request.run_id)
-        )
+        quarantine = QuarantineNode(node=request.node, reason=request.reason, run_id=request.run_id)
+        record = await self.fleet.execute_update("quarantine", quarantine, result_type=Quarantine)
         spare = await self.take_spare(TakeSpare(run_id=request.run_id, candidates=request.candidates))
         return Replacement(quarantine=record, spare=spare)
 
     @activity.defn
     async def take_spare(self, request: TakeSpare) -> str | None:
-        return await self.fleet.execute_update(FleetWorkflow.take_spare, request)
+        spare: str | None = await self.fleet.execute_update("take_spare", request)  # a JSON string or null
+        return spare
 
     @activity.defn
     async def release_nodes(self, request: Release) -> list[str]:
-        return await self.fleet.execute_update(FleetWorkflow.release, request)
+        released: list[str] = await self.fleet.execute_update("release", request)  # a JSON list of node ids
+        return released
+
+    @activity.defn
+    async def baseline(self, config_digest: str) -> list[float]:
+        """Healthy runs' window medians for this configuration: what the absolute slowdown check compares to."""
+        known: Baseline | None = await self.fleet.query("baseline", config_digest, result_type=Baseline)
+        return list(known.step_seconds) if known else []
+
+    @activity.defn
+    async def record_baseline(self, request: RecordWindows) -> int:
+        for median in request.medians:
+            await self.fleet.execute_update(
+                "record_baseline", RecordBaseline(config_digest=request.config_digest, step_seconds=median)
+            )
+        return len(request.medians)
+
+    @activity.defn
+    async def mark_suspect(self, request: MarkSuspect) -> None:
+        await self.fleet.execute_update("mark_suspect", request)

@@ -1,22 +1,29 @@
-"""The run monitor: one long-running activity per generation that reads every node's telemetry.
+"""The run monitor: one long-running activity per generation that reads every node's telemetry and
+runs the detectors (core/detectors.py) on it.
 
-It heartbeats a live summary (step, loss, steps/s, step-time p50/max) and completes with a typed
-event only when the workflow has something to decide, so history grows with decisions, not steps.
-Its cursor per node travels in heartbeats and in every event: a monitor restarted on another
-supervisor worker resumes exactly where the last one stopped.
+It heartbeats a live summary (step, loss, steps/s, step-time p50/max, slowest rank) and completes
+with a typed event only when the workflow has something to decide: the first step of a generation,
+a hang, a straggler, a slowdown of the whole run, or a stretch of healthy windows for the fleet's
+baseline. History grows with decisions, not steps. Its cursor per node travels in heartbeats and in
+every event, so a monitor restarted on another supervisor worker resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Literal
 
+import numpy as np
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.telemetry import records
-from core.events import FirstStep, MonitorEvent, MonitorInput
-from core.progress import ProgressTracker
-from core.telemetry import Held, Resumed, StepReport
+from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
+from core.diagnosis import GpuHealth, Verdict, diagnose
+from core.events import FirstStep, Hang, HealthyWindows, MonitorEvent, MonitorInput, SlowdownFound, StragglerFound
+from core.progress import ProgressTracker, StepVectors
+from core.telemetry import GpuReport, Held, Resumed, StepReport
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -29,32 +36,130 @@ def resumed_cursor(after: dict[str, int]) -> dict[str, int]:
     return dict(after)
 
 
+class _Detectors:
+    """Everything the monitor knows about one generation, folded from its telemetry."""
+
+    def __init__(self, input: MonitorInput) -> None:
+        self.input = input
+        self.progress = ProgressTracker(input.world_size, input.generation)
+        self.vectors = StepVectors(input.world_size)
+        self.relative = RelativeStraggler(input.world_size, sigma=input.straggler_sigma, k=input.straggler_steps)
+        self.absolute = AbsoluteSlowdown(input.baseline)
+        self.watchdog = HangWatchdog(input.step_timeout or "auto")
+        self.watchdog.last_progress_at = time.time()  # the clock runs from the monitor's start
+        self.node_of: dict[int, str] = {}
+        self.gpus: dict[str, list[GpuHealth]] = {}
+        self.window: list[float] = []  # the current window's step times
+        self.healthy: list[float] = []  # medians of consecutive healthy windows, for the fleet's baseline
+        self.restored_from: Literal["memory", "storage"] | None = None
+
+    def verdict(self, node: str) -> Verdict | None:
+        """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""
+        readings = self.gpus.get(node)
+        if not readings:
+            return None
+        rack = readings[0].rack
+        peers = [g for n, gs in self.gpus.items() if n != node for g in gs if g.rack == rack]
+        return diagnose(readings, peers)
+
+    def step(self, report: StepReport, node: str) -> MonitorEvent | None:
+        self.node_of[report.rank] = node
+        self.progress.observe(report)
+        events: list[MonitorEvent | None] = []
+        for step, compute, step_s in self.vectors.add(report):
+            self.watchdog.progress(step, report.at, float(np.nanmedian(step_s)))
+            events.append(self._judge(step, compute, step_s))
+        return next((e for e in events if e is not None), None)
+
+    def _judge(self, step: int, compute: np.ndarray, step_s: np.ndarray) -> MonitorEvent | None:
+        input, summary = self.input, self.progress.summary
+        for flag in self.relative.observe(step, compute):
+            if flag.rank not in input.known_stragglers:
+                self.healthy.clear()
+                node = self.node_of.get(flag.rank, "?")
+                return StragglerFound(
+                    rank=flag.rank,
+                    node=node,
+                    step=step,
+                    ratio=flag.ratio,
+                    z=flag.z,
+                    verdict=self.verdict(node),
+                    progress=summary(),
+                    after={},
+                )
+        if (slow := self.absolute.observe(step, step_s)) is not None and not input.slowdown_known:
+            self.healthy.clear()
+            verdicts = {n: v for n in sorted(set(self.node_of.values())) if (v := self.verdict(n)) is not None}
+            return SlowdownFound(
+                step=step,
+                ratio=slow.ratio,
+                window_median=slow.window_median,
+                baseline_median=slow.baseline_median,
+                verdicts=verdicts,
+                progress=summary(),
+                after={},
+            )
+        return self._window(float(np.nanmedian(step_s)))
+
+    def _window(self, step_s: float) -> MonitorEvent | None:
+        """Healthy windows (none slow against the baseline, no straggler known) teach the fleet's
+        baseline; a slow one starts the count over, so a slowdown never becomes the norm."""
+        self.window.append(step_s)
+        if len(self.window) < WINDOW_STEPS:
+            return None
+        median = statistics.median(self.window)
+        self.window.clear()
+        if self.input.known_stragglers or (self.absolute.armed and median > self.absolute.threshold):
+            self.healthy.clear()
+            return None
+        self.healthy.append(median)
+        if len(self.healthy) < self.input.healthy_windows:
+            return None
+        medians, self.healthy = self.healthy, []
+        return HealthyWindows(medians=medians, progress=self.progress.summary(), after={})
+
+
 @activity.defn
 async def monitor_run(input: MonitorInput) -> MonitorEvent:
     after = resumed_cursor(input.after)
-    tracker = ProgressTracker(input.world_size, input.generation)
-    restored_from = None
+    seen = _Detectors(input)
     next_heartbeat = 0.0
     async for record in records(input.run_id, input.endpoints, after):
+        event: MonitorEvent | None = None
         if record is not None:
             message = record.message
-            if message.generation == input.generation:
-                if isinstance(message, Resumed):
-                    restored_from = message.source
-                elif isinstance(message, StepReport):
-                    completed = tracker.observe(message)
-                    if input.await_first_step and completed is not None and completed > input.resume_step:
-                        after[record.node] = record.seq
-                        return FirstStep(
-                            step=completed,
-                            at=message.at,
-                            restored_from=restored_from,
-                            progress=tracker.summary(),
-                            after=after,
-                        )
+            if isinstance(message, GpuReport):
+                seen.gpus[message.node] = message.readings
+            elif message.generation != input.generation:
+                pass
+            elif isinstance(message, Resumed):
+                seen.restored_from = message.source
+            elif isinstance(message, StepReport):
+                event = seen.step(message, record.node)
+                completed = seen.progress.step
+                if event is None and input.await_first_step and completed > input.resume_step:
+                    event = FirstStep(
+                        step=completed,
+                        at=message.at,
+                        restored_from=seen.restored_from,
+                        progress=seen.progress.summary(),
+                        after={},
+                    )
             after[record.node] = record.seq
+        if event is None and seen.watchdog.overdue(time.time()):
+            stalled = time.time() - (seen.watchdog.last_progress_at or time.time())
+            event = Hang(
+                step=seen.progress.step,
+                stalled_s=stalled,
+                timeout_s=seen.watchdog.timeout,
+                at=time.time(),
+                progress=seen.progress.summary(),
+                after={},
+            )
+        if event is not None:
+            return event.model_copy(update={"after": after})
         if time.monotonic() >= next_heartbeat:
-            activity.heartbeat({"after": after, "progress": tracker.summary().model_dump()})
+            activity.heartbeat({"after": after, "progress": seen.progress.summary().model_dump()})
             next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
     raise AssertionError("the telemetry stream never ends")
 

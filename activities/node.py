@@ -8,8 +8,12 @@ them (or the agent dies, and its ranks with it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import structlog
@@ -17,12 +21,14 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from temporalio import activity
 
+from activities.gpu import GpuTelemetry
 from activities.hub import NodeHub
 from activities.processes import RankProcess, start_rank, stop_ranks
 from activities.standby import StandbyPool
 from core.events import NodeOutcome, RankFailed, RanksFinished
+from core.faults import BrokenNode, HardwareFault, TelemetryFault
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env
-from core.telemetry import Command, RankExited, Rejoin
+from core.telemetry import Command, GpuReport, RankExited, Rejoin
 
 log = structlog.get_logger()
 
@@ -38,6 +44,22 @@ class NodeCommand(BaseModel):
     command: Command
 
 
+class NodeStacks(BaseModel):
+    node: str
+    stacks: dict[int, str]  # rank → its newest dump
+    files: dict[int, str]  # rank → the file that keeps every dump (the artifact)
+
+
+def _grew(path: Path, size: int) -> bool:
+    return path.exists() and path.stat().st_size > size
+
+
+def _tail(path: Path, offset: int) -> str:
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def resolve_argv(argv: list[str]) -> list[str]:
     """`python` in an entrypoint means this agent's interpreter, as `torchrun script.py` would."""
     return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
@@ -51,7 +73,7 @@ class NodeActivities:
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
         self.stores: dict[str, dist.TCPStore] = {}
-        self.broken: set[str] = set()  # simulated hardware faults: the self-test sees them
+        self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
 
     @activity.defn
     async def prepare_node(self, request: PrepareNode) -> NodeEndpoint:
@@ -70,7 +92,7 @@ class NodeActivities:
     async def run_ranks(self, launch: NodeLaunch) -> NodeOutcome:
         """Start (or carry over) this node's ranks of one generation, then watch them until one fails or all
         finish."""
-        self.broken |= set(launch.broken)
+        self.hardware += [f for f in launch.hardware if f not in self.hardware]
         ranks = [r for r in self.ranks.get(launch.run_id, []) if r.generation == launch.generation]
         if not ranks:  # a retried activity (or the next segment of a continued run) finds them running
             carried = await self._rejoin(launch)
@@ -124,15 +146,52 @@ class NodeActivities:
         log.info("run released", run_id=run_id, node=self.node, stopped=running)
         return running
 
+    def broken(self) -> set[str]:
+        """The parts of this node's simulated hardware that compute wrong answers (its self-test sees them)."""
+        return {f.part for f in self.hardware if isinstance(f, BrokenNode) and f.node == self.node}
+
+    def telemetry_faults(self) -> list[TelemetryFault]:
+        return [f for f in self.hardware if not isinstance(f, BrokenNode)]
+
+    async def sample_gpus(self, telemetry: GpuTelemetry, every: float = 2.0) -> None:
+        """Read this host's GPUs every few seconds into each run's telemetry: the run monitor diagnoses
+        a straggler from them (seed R2)."""
+        while True:
+            readings = await asyncio.to_thread(telemetry.read)
+            for run_id, processes in self.ranks.items():
+                if any(p.exit_code is None for p in processes):
+                    self.hub.run(run_id).append(GpuReport(node=self.node, readings=readings, at=time.time()))
+            await asyncio.sleep(every)
+
     @activity.defn
     async def send_command(self, request: NodeCommand) -> int:
         return await self.hub.command(request.run_id, request.command)
 
+    @activity.defn
+    async def dump_stacks(self, run_id: str) -> NodeStacks:
+        """Every live rank of the run here dumps its Python stacks (faulthandler, on SIGUSR1): a hung
+        rank is alive, and the one whose stack differs from the rest is the culprit."""
+        alive = [r for r in self.ranks.get(run_id, []) if r.exit_code is None]
+        sizes = {r.rank: r.stack_path.stat().st_size if r.stack_path.exists() else 0 for r in alive}
+        for r in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and not all(_grew(r.stack_path, sizes[r.rank]) for r in alive):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)  # let the last frames land
+        stacks = {r.rank: _tail(r.stack_path, sizes[r.rank]) for r in alive}
+        log.info("stacks dumped", run_id=run_id, node=self.node, ranks=sorted(stacks))
+        return NodeStacks(node=self.node, stacks=stacks, files={r.rank: str(r.stack_path) for r in alive})
+
     def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
+        run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
         return rank_env(launch, local_rank) | {
             "STAYALIVE_AGENT": str(self.hub.endpoint),
             "STAYALIVE_NODE": self.node,
             "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
+            # Where the rank dumps its Python stacks on SIGUSR1 (next to its log: RankProcess.stack_path).
+            "STAYALIVE_STACK_FILE": str(run_dir / f"rank-{launch.ranks[local_rank]}.stacks"),
         }
 
     async def _rejoin(self, launch: NodeLaunch) -> list[RankProcess]:

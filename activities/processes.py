@@ -43,6 +43,11 @@ class RankProcess:
         return code
 
     @property
+    def stack_path(self) -> Path:
+        """Where the rank dumps its stacks on SIGUSR1 (the agent sets STAYALIVE_STACK_FILE to it)."""
+        return self.log_path.with_suffix(".stacks")
+
+    @property
     def pid(self) -> int:
         return self.process.pid
 

@@ -239,7 +239,7 @@ def table(results: dict[str, Measured], saves: int) -> Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 saves per method instead of 4 (same model)")
+    parser.add_argument("--quick", action="store_true", help="3 saves per method instead of 5 (same model)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the storage temp dir goes")
     parser.add_argument("--worker", choices=SAVERS, help=argparse.SUPPRESS)
     parser.add_argument("--saves", type=int, help=argparse.SUPPRESS)
@@ -249,7 +249,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(asdict(run_method(args.worker, args.saves, args.storage, args.tmpfs))))
         return
-    saves = 2 if args.quick else 4
+    saves = 3 if args.quick else 5
     with scratch(args.dir) as (storage, tmpfs):
         results = {method: measure(method, saves, storage, tmpfs) for method in SAVERS}
     Console().print(table(results, saves))

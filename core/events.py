@@ -6,6 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field
 
+from core.diagnosis import Verdict
 from core.launch import NodeEndpoint
 from core.run import Progress
 
@@ -55,6 +56,14 @@ class MonitorInput(BaseModel):
     resume_step: int = 0
     await_first_step: bool = False
     after: dict[str, int] = {}  # per node: the last record already consumed
+    # Detection: the progress watchdog, the straggler checks, and what is already known (not re-reported).
+    step_timeout: float | None = None  # None: auto, 3 × p99 of step times with a floor
+    straggler_sigma: float = 3.0
+    straggler_steps: int = 20
+    baseline: list[float] = []  # healthy window medians of this configuration (the absolute check)
+    known_stragglers: list[int] = []
+    slowdown_known: bool = False
+    healthy_windows: int = 10  # report this many healthy window medians at a time (for the baseline)
 
 
 class FirstStep(BaseModel):
@@ -66,14 +75,55 @@ class FirstStep(BaseModel):
     after: dict[str, int]
 
 
-class CheckpointWritten(BaseModel):
-    kind: Literal["checkpoint"] = "checkpoint"
+class Hang(BaseModel):
+    """No step completed within the timeout, and no rank died: someone is alive and stuck."""
+
+    kind: Literal["hang"] = "hang"
     step: int
-    path: str
-    blocking_seconds: float
+    stalled_s: float
+    timeout_s: float
     at: float
     progress: Progress
     after: dict[str, int]
 
 
-MonitorEvent = Annotated[Union[FirstStep, CheckpointWritten], Field(discriminator="kind")]  # noqa: UP007
+class StragglerFound(BaseModel):
+    """One rank's compute time stands out from its peers' for `straggler_steps` steps (relative check)."""
+
+    kind: Literal["straggler"] = "straggler"
+    rank: int
+    node: str
+    step: int
+    ratio: float
+    z: float
+    verdict: Verdict | None  # None: no GPU telemetry from the node yet
+    progress: Progress
+    after: dict[str, int]
+
+
+class SlowdownFound(BaseModel):
+    """The whole run is slower than healthy runs of its configuration (absolute check)."""
+
+    kind: Literal["slowdown"] = "slowdown"
+    step: int
+    ratio: float
+    window_median: float
+    baseline_median: float
+    verdicts: dict[str, Verdict]  # per node of the run
+    progress: Progress
+    after: dict[str, int]
+
+
+class HealthyWindows(BaseModel):
+    """Step-time window medians of a stretch with nothing flagged: what the fleet's baseline learns."""
+
+    kind: Literal["healthy"] = "healthy"
+    medians: list[float]
+    progress: Progress
+    after: dict[str, int]
+
+
+MonitorEvent = Annotated[
+    Union[FirstStep, Hang, StragglerFound, SlowdownFound, HealthyWindows],  # noqa: UP007
+    Field(discriminator="kind"),
+]

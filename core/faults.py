@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from core.diagnosis import GpuHealth
 
 
 class _Fault(BaseModel):
@@ -34,6 +36,41 @@ class Crash(_Fault):
     def __str__(self) -> str:
         where = "" if self.during == "step" else " while writing its checkpoint"
         return f"crash of rank {self.rank} at step {self.at_step}{where}"
+
+
+class Hang(_Fault):
+    """The rank blocks inside a collective its peers never join (a wedged NIC, a deadlock): alive,
+    no progress, every peer waiting in the all-reduce."""
+
+    kind: Literal["hang"] = "hang"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+
+    def __str__(self) -> str:
+        return f"hang of rank {self.rank} at step {self.at_step}"
+
+
+class Straggler(_Fault):
+    """The rank computes `factor`× slower from `from_step` on (a throttled GPU): slow, never wrong."""
+
+    kind: Literal["straggler"] = "straggler"
+    rank: int = Field(ge=0)
+    factor: float = Field(gt=1.0)
+    from_step: int = Field(default=1, ge=1)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} {self.factor:g}× slower from step {self.from_step}"
+
+
+class Slowdown(_Fault):
+    """Every rank computes `factor`× slower from `from_step` on (a hot aisle): no rank stands out."""
+
+    kind: Literal["slowdown"] = "slowdown"
+    factor: float = Field(gt=1.0)
+    from_step: int = Field(default=1, ge=1)
+
+    def __str__(self) -> str:
+        return f"every rank {self.factor:g}× slower from step {self.from_step}"
 
 
 class CorruptCheckpoint(_Fault):
@@ -61,5 +98,124 @@ class BrokenNode(_Fault):
         return f"broken {self.part} on {self.node}"
 
 
+class _TelemetryFault(_Fault):
+    """Where a telemetry fault shows: one node or every node of a rack (a hot aisle); one GPU or all."""
+
+    generation: int | None = None  # hardware state: it shows in every generation
+    node: str | None = None
+    rack: str | None = None
+    gpu: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> _TelemetryFault:
+        if (self.node is None) == (self.rack is None):
+            raise ValueError("name either the node or the rack the fault is on")
+        return self
+
+    def hits(self, reading: GpuHealth) -> bool:
+        where = reading.node == self.node if self.node is not None else reading.rack == self.rack
+        return where and (self.gpu is None or self.gpu == reading.gpu)
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        raise NotImplementedError
+
+
+class ThermalThrottle(_TelemetryFault):
+    """The GPU overheats and its clocks are held down: a failed fan, dried paste, or (on a rack) a
+    cooling failure."""
+
+    kind: Literal["thermal"] = "thermal"
+    temperature_c: float = 92.0
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        reasons = reading.throttle_reasons | {"thermal"}
+        return reading.model_copy(update={"temperature_c": self.temperature_c, "throttle_reasons": reasons})
+
+
+class HotAmbient(_TelemetryFault):
+    """Hot, but within what the GPU tolerates: no throttling (seed 002: a lead, not a verdict)."""
+
+    kind: Literal["hot_ambient"] = "hot_ambient"
+    temperature_c: float = 88.0
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        return reading.model_copy(update={"temperature_c": self.temperature_c})
+
+
+class PowerCap(_TelemetryFault):
+    """The GPU is held at a power limit below its normal one (a derated supply, a rack power budget)."""
+
+    kind: Literal["power_cap"] = "power_cap"
+    power_limit_w: float = 450.0
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        reasons = reading.throttle_reasons | {"power_cap"}
+        update = {"power_w": self.power_limit_w, "power_limit_w": self.power_limit_w, "throttle_reasons": reasons}
+        return reading.model_copy(update=update)
+
+
+class EccErrors(_TelemetryFault):
+    """Memory errors: corrected ones (absorbed, a warning) and uncorrectable ones (a failing GPU)."""
+
+    kind: Literal["ecc"] = "ecc"
+    corrected: int = Field(default=0, ge=0)
+    uncorrected: int = Field(default=1, ge=0)
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        update = {
+            "ecc_corrected": (reading.ecc_corrected or 0) + self.corrected,
+            "ecc_uncorrected": (reading.ecc_uncorrected or 0) + self.uncorrected,
+        }
+        return reading.model_copy(update=update)
+
+
+class NvlinkDegraded(_TelemetryFault):
+    """Links down (the GPU runs at reduced NVLink width) and/or retransmissions on the links up."""
+
+    kind: Literal["nvlink"] = "nvlink"
+    links_down: int = Field(default=2, ge=0)
+    errors: int = Field(default=0, ge=0)
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        update = {
+            "nvlink_links_up": max(0, (reading.nvlink_links_up or 0) - self.links_down),
+            "nvlink_errors": (reading.nvlink_errors or 0) + self.errors,
+        }
+        return reading.model_copy(update=update)
+
+
+class NicSaturated(_TelemetryFault):
+    """The node's NIC is near line rate, typically shared with another job's traffic."""
+
+    kind: Literal["nic"] = "nic"
+    utilization: float = Field(default=0.97, ge=0.0, le=1.0)
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        return reading.model_copy(update={"nic_utilization": self.utilization})
+
+
 # Each fault kind joins this union as the detector that catches it lands.
-Fault = Annotated[Union[Crash, CorruptCheckpoint, BrokenNode], Field(discriminator="kind")]  # noqa: UP007
+Fault = Annotated[
+    Union[  # noqa: UP007
+        Crash,
+        Hang,
+        Straggler,
+        Slowdown,
+        CorruptCheckpoint,
+        BrokenNode,
+        ThermalThrottle,
+        HotAmbient,
+        PowerCap,
+        EccErrors,
+        NvlinkDegraded,
+        NicSaturated,
+    ],
+    Field(discriminator="kind"),
+]
+TelemetryFault = ThermalThrottle | HotAmbient | PowerCap | EccErrors | NvlinkDegraded | NicSaturated
+HardwareFault = Annotated[
+    Union[BrokenNode, ThermalThrottle, HotAmbient, PowerCap, EccErrors, NvlinkDegraded, NicSaturated],  # noqa: UP007
+    Field(discriminator="kind"),
+]
+
+HARDWARE = (BrokenNode, ThermalThrottle, HotAmbient, PowerCap, EccErrors, NvlinkDegraded, NicSaturated)

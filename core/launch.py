@@ -10,6 +10,7 @@ import json
 
 from pydantic import BaseModel
 
+from core.faults import HardwareFault
 from core.spec import RunSpec
 
 # A rank that cannot load the checkpoint it was told to resume from exits with this code, so the
@@ -45,7 +46,9 @@ class NodeLaunch(BaseModel):
     # Survivors of a hold: new rank → the rank the process had. They rejoin in place; every other
     # rank of `ranks` is started fresh.
     adopt: dict[int, int] = {}
-    broken: list[str] = []  # simulated hardware faults of this node (fault plan `broken_node`)
+    # The run's simulated hardware (fault plan: `broken_node`, GPU telemetry faults); the agent keeps
+    # what concerns its node for the rest of its life, as real hardware would stay broken.
+    hardware: list[HardwareFault] = []
 
 
 class Membership(BaseModel):

@@ -81,3 +81,13 @@ def classify(
         evidence="no pattern with earlier interruptions",
         action="restarted automatically; listed in the daily digest",
     )
+
+
+def environmental(ratio: float, evidence: str) -> Classification:
+    """A slowdown every rank shares, with the rack hot: a page for facilities, not an eviction (seed 000)."""
+    return Classification(
+        paging=PagingClass.CORRELATED,
+        rule="environmental slowdown",
+        evidence=f"every rank {ratio:.2f}× slower than healthy runs; {evidence}",
+        action="page facilities (cooling, power): evicting nodes would only move the symptom",
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+import numpy as np
+
 from core.run import Progress
 from core.telemetry import StepReport
 
@@ -55,3 +57,42 @@ class ProgressTracker:
             slowest_rank=slowest.rank if slowest else None,
             at=self._completions[-1][1] if self._completions else 0.0,
         )
+
+
+class StepVectors:
+    """Per-step vectors of every rank's compute and step seconds, in rank order, for the detectors.
+
+    A step is complete when every rank has reported it; a rank whose report was lost (telemetry is
+    best-effort) leaves a NaN once `lag` newer steps are complete, so memory stays bounded."""
+
+    def __init__(self, world_size: int, lag: int = 4) -> None:
+        self.world_size = world_size
+        self.lag = lag
+        self._compute: dict[int, np.ndarray] = {}
+        self._step: dict[int, np.ndarray] = {}
+        self._seen: dict[int, int] = {}
+        self._emitted = 0
+
+    def add(self, report: StepReport) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Fold in one report; return (step, compute seconds, step seconds) of the steps now complete."""
+        step = report.step
+        if step <= self._emitted or not 0 <= report.rank < self.world_size:
+            return []
+        if step not in self._compute:
+            self._compute[step] = np.full(self.world_size, np.nan)
+            self._step[step] = np.full(self.world_size, np.nan)
+            self._seen[step] = 0
+        self._compute[step][report.rank] = report.compute_s
+        self._step[step][report.rank] = report.step_s
+        self._seen[step] += 1
+        ready = [s for s in sorted(self._compute) if self._seen[s] == self.world_size or s <= step - self.lag]
+        out = []
+        for s in ready:
+            if s <= self._emitted:
+                continue
+            out.append((s, self._compute.pop(s), self._step.pop(s)))
+            del self._seen[s]
+            self._emitted = s
+        for stale in [s for s in self._compute if s <= self._emitted]:  # overtaken by a complete newer step
+            del self._compute[stale], self._step[stale], self._seen[stale]
+        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -36,6 +37,7 @@ class Cause(StrEnum):
     CRASH = "crash"
     NODE_LOST = "node_lost"
     CHECKPOINT_INVALID = "checkpoint_invalid"
+    HANG = "hang"  # alive, no progress: the progress watchdog fired
     DRAIN = "drain"  # planned: a node taken out by a person or a detector
     PAUSE = "pause"
     ROLLBACK = "rollback"  # resume_from: a person sent the run back to an earlier checkpoint
@@ -53,12 +55,14 @@ class Interruption(BaseModel):
     step: int | None = Field(default=None, description="Last step completed before it happened.")
     resumed_from: int | None = Field(default=None, description="Checkpoint step the next generation loaded.")
     lost_steps: int | None = None
-    restart_seconds: float | None = Field(default=None, description="Detection to first completed step.")
+    detected_after_s: float | None = Field(default=None, description="From the failure to its detection.")
+    restart_seconds: float | None = Field(default=None, description="From the failure to the first step after it.")
     restored_from: str | None = Field(
         default=None, description="'memory' (host-memory tier), 'storage', or 'live' (survivors kept their state)."
     )
     detail: str = ""
     actions: list[str] = []
+    artifacts: list[str] = []  # files to read: the stack dumps of a hang
     paging: Classification | None = None
     idle_seconds: float = 0.0  # waiting for a person or for nodes (in goodput: idle, not recovery)
 
@@ -70,6 +74,22 @@ class Interruption(BaseModel):
     def line(self) -> str:
         where = f"node {self.node}" + (f" rank {self.rank}" if self.rank is not None else "")
         return f"{self.cause.value} on {where} at step {self.step}"
+
+
+class Detection(BaseModel):
+    """Something slow that interrupted nothing: a straggler (relative) or a slowdown (absolute)."""
+
+    at: datetime
+    generation: int
+    kind: Literal["straggler", "slowdown"]
+    step: int
+    ratio: float
+    node: str | None = None
+    rank: int | None = None
+    diagnosis: str | None = None
+    evidence: str = ""
+    actions: list[str] = []
+    paging: Classification | None = None
 
 
 class CheckpointRecord(BaseModel):
@@ -118,6 +138,8 @@ class RunStatus(BaseModel):
     # ranks, which never noticed.
     reattach: bool = False
     interruptions: list[Interruption] = []
+    detections: list[Detection] = []
+    baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
     checkpoints: list[CheckpointRecord] = []
     command_seq: int = 0
     failure: str = ""

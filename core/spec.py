@@ -104,7 +104,10 @@ class SdcSpec(_Spec):
 
 
 class HealthSpec(_Spec):
-    step_timeout: Literal["auto"] | Seconds = "auto"
+    step_timeout: Literal["auto"] | Seconds = "auto"  # auto: 3 × p99 of the step time, at least 10 s
+    straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (seed 003 §7)
+    straggler_steps: int = Field(default=20, ge=1)  # ... for this many consecutive steps
+    baseline_windows: int = Field(default=10, ge=1)  # healthy 50-step windows reported to the fleet at a time
     # How long a node agent may stay silent before its node counts as dead.
     node_heartbeat_timeout: Seconds = 15.0
 

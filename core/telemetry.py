@@ -10,6 +10,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from core.diagnosis import GpuHealth
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -69,6 +71,15 @@ class Held(_Message):
     step: int
 
 
+class GpuReport(_Message):
+    """The node agent's reading of its GPUs (NVML, or the simulated source), every few seconds."""
+
+    t: Literal["gpu"] = "gpu"
+    node: str
+    readings: list[GpuHealth]
+    at: float
+
+
 class Finished(_Message):
     t: Literal["finished"] = "finished"
     rank: int
@@ -87,7 +98,7 @@ class RankExited(_Message):
 
 
 RankMessage = Annotated[
-    Union[Hello, StepReport, CheckpointCommitted, Resumed, Held, Finished, RankExited],  # noqa: UP007
+    Union[Hello, StepReport, CheckpointCommitted, Resumed, Held, GpuReport, Finished, RankExited],  # noqa: UP007
     Field(discriminator="t"),
 ]
 rank_message = TypeAdapter(RankMessage)

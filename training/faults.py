@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import structlog
+import torch.distributed as dist
 
-from core.faults import CorruptCheckpoint, Crash, Fault
+from core.faults import CorruptCheckpoint, Crash, Fault, Hang, Slowdown, Straggler
 from training.checkpoint import MANIFEST, shard_filename
 
 log = structlog.get_logger()
@@ -19,8 +21,15 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in faults if f.fires_in(generation) and getattr(f, "rank", rank) == rank]
 
-    def before_collective(self, step: int) -> None:
-        """After backward, before the gradient all-reduce: where a dying GPU leaves its peers waiting."""
+    def before_collective(self, step: int, compute_s: float) -> None:
+        """After backward, before the gradient all-reduce: where a dying, hanging or slow GPU shows.
+        `compute_s` is this step's compute so far: a slow rank stretches it by its factor."""
+        for fault in self.faults:
+            if isinstance(fault, Straggler | Slowdown) and step >= fault.from_step:
+                time.sleep(compute_s * (fault.factor - 1))
+            elif isinstance(fault, Hang) and fault.at_step == step:
+                log.warning("injected hang: entering a collective no peer joins")
+                dist.barrier()  # the peers are in the gradient all-reduce: nobody completes
         self._crash(step, "step")
 
     def checkpoint_writing(self, step: int) -> None:

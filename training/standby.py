@@ -24,6 +24,7 @@ Limits (checked by `unfit` before a standby is used; the agent starts the rank c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import runpy
@@ -34,7 +35,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 # What a rank of stayalive's trainer imports; a foreign script still gains torch and torch.distributed.
-WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "safetensors.torch", "training.train")
+WARM_MODULES = ("torch", "torch.distributed", "safetensors.torch", "training.train")
 
 # Read once, when the interpreter or torch starts up (prefixes); TORCHELASTIC_* is read at
 # init_process_group time, so it may change freely.
@@ -99,8 +100,8 @@ def unfit(argv: list[str], standby_env: dict[str, str], env: dict[str, str]) -> 
 
 
 def warm() -> None:
-    """Import what a rank imports and take one optimizer step, so its first real step does not pay
-    for torch._dynamo (imported lazily by the first `optimizer.step()`) or autograd's first use."""
+    """Import what a rank imports and take one training step on CPU: a process's first forward,
+    backward and optimizer step import torch._dynamo and set up autograd, ~1 s the rank then skips."""
     for name in WARM_MODULES:
         importlib.import_module(name)
     import torch
@@ -143,7 +144,8 @@ def become(assignment: Assignment) -> None:
 def main() -> None:
     ready = int(sys.argv[1])
     warm()
-    os.write(ready, b"ready\n")
+    with contextlib.suppress(BrokenPipeError):  # the agent stopped waiting; it may still assign us
+        os.write(ready, b"ready\n")
     os.close(ready)
     data = sys.stdin.buffer.read()  # until the agent closes the pipe: one assignment, or none at shutdown
     if not data:

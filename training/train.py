@@ -12,7 +12,9 @@ joins the next generation's group in place (training/elastic.py).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -53,6 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="accelerator time to add to every step on a CPU-only machine: it makes compute times as steady as a "
+        "GPU's, which the straggler detectors are tuned for (ranks sharing two cores jitter by tens of percent)",
+    )
     return parser.parse_args(argv)
 
 
@@ -70,6 +79,7 @@ def train(
     supervision: Supervision,
     checkpointer: Checkpointer,
     faults: FaultInjector,
+    device_s: float = 0.0,
 ) -> Outcome:
     rank, world_size, generation = supervision.rank, supervision.world_size, supervision.config.generation
     params = list(state.model.parameters())
@@ -80,7 +90,9 @@ def train(
         inputs, targets = stream.batch(positions)
         per_sample = state.model(inputs, targets)
         (per_sample.sum() / stream.global_batch).backward()
-        faults.before_collective(step)
+        if device_s:
+            time.sleep(device_s)
+        faults.before_collective(step, time.perf_counter() - started)
         compute_s = time.perf_counter() - started
         all_reduce_gradients(params)
         state.optimizer.step()
@@ -122,6 +134,10 @@ class Trainer:
         self.state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
         self.stream = SampleStream(corpus, self.gpt_config.block_size, args.global_batch, args.seed)
         self.channel: AgentChannel | None = None
+        if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
+            # On SIGUSR1 every thread's Python stack goes to this file, even while blocked in a collective.
+            self.stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
+            faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
 
     def report(self, message: BaseModel) -> None:
         if self.channel is not None:
@@ -150,7 +166,7 @@ class Trainer:
         self.load(config, rank, world_size)
         faults = FaultInjector(config.faults, rank, config.generation)
         checkpointer = self.checkpointer(config, rank, world_size, faults)
-        outcome = train(self.state, self.stream, supervision, checkpointer, faults)
+        outcome = train(self.state, self.stream, supervision, checkpointer, faults, self.args.device_ms / 1000)
         checkpointer.wait()
         if outcome is Outcome.DONE:
             self.report(Finished(rank=rank, generation=config.generation, step=self.state.step))

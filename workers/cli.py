@@ -7,7 +7,13 @@ view, the embedded development stack and the demo.
     stayalive run SPEC [--follow]     start a run (workflow id = the spec's name unless --id)
     stayalive watch ID                live progress of a run, then its timeline
     stayalive timeline ID             the interruption timeline
+    stayalive health ID               step, step times, goodput, nodes, checkpoint interval
+    stayalive checkpoints ID          every checkpoint: validated or not, and why
     stayalive checkpoint ID           force a checkpoint at the next agreed step
+    stayalive drain ID NODE           take a node out (drain, wait, checkpoint, resize, resume)
+    stayalive pause ID / resume ID    hold every rank at a step / go on
+    stayalive resume-from ID STEP     roll back to a validated checkpoint
+    stayalive fleet                   nodes, their states, and quarantine records
 """
 
 from __future__ import annotations
@@ -20,15 +26,17 @@ import time
 from pathlib import Path
 
 from pydantic import ValidationError
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
+from core.fleet_requests import fleet_id
 from core.run import RunResult, RunState
 from core.spec import RunSpec
-from workers.console import console, follow, ledger_table, timeline_table, ui_url
+from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
 from workers.devstack import DevStack, StackError
 from workers.supervisor import connect
-from workflows.run import TASK_QUEUE, RunWorkflow
+from workflows.fleet import FleetWorkflow
+from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 DEMO_SPEC = Path("examples/gpt-small.json")
 DEMO_NODES = ["n1", "n2", "n3"]
@@ -151,19 +159,55 @@ async def watch(args: argparse.Namespace) -> int:
     return 0
 
 
-async def timeline(args: argparse.Namespace) -> int:
+async def _client(args: argparse.Namespace) -> Client:
     address, _ = stack_address(args.state_dir)
-    client = await connect(args.address or address)
-    interruptions = await client.get_workflow_handle(args.id).query(RunWorkflow.timeline)
+    return await connect(args.address or address)
+
+
+async def timeline(args: argparse.Namespace) -> int:
+    interruptions = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.timeline)
     console.print(timeline_table(interruptions))
     return 0
 
 
-async def checkpoint(args: argparse.Namespace) -> int:
-    address, _ = stack_address(args.state_dir)
-    client = await connect(args.address or address)
-    await client.get_workflow_handle(args.id).signal(RunWorkflow.force_checkpoint)
-    console.print(f"Asked {args.id} to checkpoint at the next step its ranks agree on.")
+async def health(args: argparse.Namespace) -> int:
+    report = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.health)
+    console.print_json(report.model_dump_json())
+    return 0
+
+
+async def checkpoints(args: argparse.Namespace) -> int:
+    records = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.checkpoints)
+    console.print(checkpoints_table(records))
+    return 0
+
+
+async def control(args: argparse.Namespace) -> int:
+    """The signals and updates a person sends a run; a rejected update prints why."""
+    handle = (await _client(args)).get_workflow_handle_for(RunWorkflow.run, args.id)
+    try:
+        if args.command == "checkpoint":
+            await handle.signal(RunWorkflow.force_checkpoint)
+            outcome = "asked for a checkpoint at the next step every rank agrees on"
+        elif args.command == "pause":
+            await handle.signal(RunWorkflow.pause, args.reason)
+            outcome = "asked every rank to finish its step, checkpoint and hold"
+        elif args.command == "resume":
+            await handle.signal(RunWorkflow.resume)
+            outcome = "asked the run to go on"
+        elif args.command == "drain":
+            outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node=args.node, reason=args.reason))
+        else:
+            outcome = await handle.execute_update(RunWorkflow.resume_from, ResumeFrom(step=args.step))
+    except WorkflowUpdateFailedError as exc:
+        raise UsageError(f"{args.id} refused: {exc.cause}") from None
+    console.print(f"{args.id}: {outcome}")
+    return 0
+
+
+async def fleet(args: argparse.Namespace) -> int:
+    handle = (await _client(args)).get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    console.print(fleet_table(await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)))
     return 0
 
 
@@ -212,15 +256,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("spec", type=Path)
     p.add_argument("--id", help="workflow id (default: the spec's name)")
     p.add_argument("--follow", action="store_true", help="show live progress until the run closes")
-    for name in ("watch", "timeline", "checkpoint"):
+    for name in ("watch", "timeline", "health", "checkpoints", "checkpoint", "resume"):
         p = commands.add_parser(name)
         p.add_argument("id", help="the run's workflow id")
+    p = commands.add_parser("pause")
+    p.add_argument("id")
+    p.add_argument("--reason", default="paused by an operator")
+    p = commands.add_parser("drain")
+    p.add_argument("id")
+    p.add_argument("node")
+    p.add_argument("--reason", default="drained by an operator")
+    p = commands.add_parser("resume-from")
+    p.add_argument("id")
+    p.add_argument("step", type=int)
+    commands.add_parser("fleet", help="the fleet's nodes and quarantine records")
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    handlers = {"demo": demo, "run": run, "watch": watch, "timeline": timeline, "checkpoint": checkpoint}
+    handlers = {
+        "demo": demo,
+        "run": run,
+        "watch": watch,
+        "timeline": timeline,
+        "health": health,
+        "checkpoints": checkpoints,
+        "fleet": fleet,
+        **dict.fromkeys(("checkpoint", "pause", "resume", "drain", "resume-from"), control),
+    }
     try:
         if args.command in handlers:
             return asyncio.run(handlers[args.command](args))

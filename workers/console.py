@@ -16,8 +16,9 @@ from rich.table import Table
 from rich.text import Text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
+from core.fleet import FleetNode, Quarantine
 from core.goodput import Ledger
-from core.run import Interruption, Progress, RunResult, RunStatus
+from core.run import CheckpointRecord, Interruption, Progress, RunResult, RunStatus
 from workflows.run import RunWorkflow
 
 console = Console()
@@ -118,3 +119,37 @@ async def ui_url(handle: WorkflowHandle, ui: str | None) -> str | None:
     if description.status == WorkflowExecutionStatus.RUNNING or description.run_id is None:
         return f"{ui}/namespaces/default/workflows/{handle.id}"
     return f"{ui}/namespaces/default/workflows/{handle.id}/{description.run_id}/history"
+
+
+def checkpoints_table(records: list[CheckpointRecord]) -> Table:
+    table = Table(title="Checkpoints", title_justify="left")
+    for column in ("step", "generation", "blocking s", "validated", "why", "kept"):
+        table.add_column(column)
+    for c in records:
+        verdict = "…" if c.validated is None else ("yes" if c.validated else "no")
+        table.add_row(
+            str(c.step), str(c.generation), f"{c.blocking_seconds:.3f}", verdict, c.reason, "no" if c.deleted else "yes"
+        )
+    return table
+
+
+def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine]) -> Group:
+    table = Table(title="Fleet", title_justify="left")
+    for column in ("node", "rack", "state", "run", "since"):
+        table.add_column(column)
+    for n in nodes:
+        table.add_row(n.id, n.rack, n.state.value, n.run_id or "-", n.since.strftime("%H:%M:%S"))
+    records = Table(title="Quarantine records", title_justify="left")
+    for column in ("node", "reason", "since", "runs affected", "last self-test", "released"):
+        records.add_column(column)
+    for q in quarantines:
+        test = q.self_tests[-1] if q.self_tests else None
+        records.add_row(
+            q.node,
+            q.reason,
+            q.since.strftime("%H:%M:%S"),
+            ", ".join(q.run_ids_affected),
+            "-" if test is None else ("passed" if test.passed else f"failed: {test.detail}"),
+            q.released_at.strftime("%H:%M:%S") if q.released_at else "no",
+        )
+    return Group(table, records)

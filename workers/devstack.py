@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.fleet_requests import fleet_id
 from workers.supervisor import connect
-from workflows.fleet import FleetWorkflow, fleet_id
+from workflows.fleet import FleetWorkflow
 
 
 class StackError(Exception):

@@ -19,14 +19,16 @@ from temporalio.client import Client, WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
+from activities.gpu import gpu_telemetry
 from activities.hub import NodeHub
 from activities.node import NodeActivities
 from activities.selftest import SelfTestActivities
 from activities.standby import StandbyPool
+from core.fleet_requests import RegisterNode, fleet_id
 from core.launch import node_queue
 from training.logs import configure_logging
 from workers.supervisor import connect
-from workflows.fleet import FleetInput, FleetWorkflow, RegisterNode, fleet_id
+from workflows.fleet import FleetInput, FleetWorkflow
 from workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
@@ -67,7 +69,8 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     if standby is not None:
         standby.start()
     node = NodeActivities(args.node, hub, node_dir, standby)
-    self_test = SelfTestActivities(args.node, broken=lambda: node.broken)
+    self_test = SelfTestActivities(args.node, broken=node.broken)
+    telemetry = gpu_telemetry(args.node, args.rack, faults=node.telemetry_faults)
     client = await connect(args.address, args.namespace)
     worker = Worker(
         client,
@@ -77,16 +80,19 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
             node.run_ranks,
             node.release_run,
             node.send_command,
+            node.dump_stacks,
             self_test.self_test,
         ],
         max_concurrent_activities=64,
     )
     log.info("node agent started", node=args.node, task_queue=node_queue(args.node), hub=str(hub.endpoint))
     registration = asyncio.create_task(register(client, args.node, args.rack, args.spare))
+    sampler = asyncio.create_task(node.sample_gpus(telemetry))
     try:
         await worker.run()
     finally:
         registration.cancel()
+        sampler.cancel()
         hub.close()
         if standby is not None:
             await standby.close()

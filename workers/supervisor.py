@@ -12,6 +12,8 @@ import asyncio
 from datetime import timedelta
 
 import structlog
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -20,8 +22,9 @@ from temporalio.worker import Worker
 from activities.checkpoints import choose_checkpoint, keep_checkpoints
 from activities.fleet import FleetActivities
 from activities.monitor import await_hold, monitor_run
+from core.fleet_requests import fleet_id
 from training.logs import configure_logging
-from workflows.fleet import FleetInput, FleetWorkflow, fleet_id
+from workflows.fleet import FleetInput, FleetWorkflow
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 log = structlog.get_logger()
@@ -29,6 +32,26 @@ log = structlog.get_logger()
 
 async def connect(address: str, namespace: str = "default") -> Client:
     return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
+
+
+# The web UI lists runs by these (RunWorkflow upserts them): state, step, goodput.
+SEARCH_ATTRIBUTES = {
+    "RunState": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
+    "Step": IndexedValueType.INDEXED_VALUE_TYPE_INT,
+    "Goodput": IndexedValueType.INDEXED_VALUE_TYPE_DOUBLE,
+}
+
+
+async def ensure_search_attributes(client: Client) -> None:
+    """Register the run's search attributes on the server (the dev server gets them at start already)."""
+    existing = await client.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=client.namespace)
+    )
+    missing = {name: kind for name, kind in SEARCH_ATTRIBUTES.items() if name not in existing.custom_attributes}
+    if missing:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(namespace=client.namespace, search_attributes=missing)
+        )
 
 
 async def ensure_fleet(client: Client, cluster: str = "default") -> None:
@@ -58,10 +81,14 @@ async def serve(address: str, namespace: str) -> None:
             fleet.replace_node,
             fleet.take_spare,
             fleet.release_nodes,
+            fleet.baseline,
+            fleet.record_baseline,
+            fleet.mark_suspect,
         ],
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
+    await ensure_search_attributes(client)
     await ensure_fleet(client)
     log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE)
     await worker.run()

@@ -11,14 +11,14 @@ from temporalio.workflow import ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult, choose_checkpoint, keep_checkpoints
-    from activities.fleet import FleetActivities, Replace, Replacement
+    from activities.fleet import FleetActivities, RecordWindows, Replace, Replacement
     from activities.monitor import await_hold, monitor_run
-    from activities.node import NodeActivities, NodeCommand, PrepareNode
+    from activities.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
     from core.events import MonitorEvent, MonitorInput, NodeOutcome
+    from core.fleet_requests import Acquire, Grant, MarkSuspect, Release, TakeSpare
     from core.launch import NodeEndpoint, NodeLaunch, node_queue
     from core.run import CheckpointRecord
     from core.telemetry import Command, Held
-    from workflows.fleet import Acquire, Grant, Release, TakeSpare
 
 FOREVER = timedelta(days=3650)
 QUICK = timedelta(minutes=2)
@@ -154,4 +154,42 @@ async def release_nodes(run_id: str) -> list[str]:
         Release(run_id=run_id),
         start_to_close_timeout=QUICK,
         summary="give the run's nodes back to the fleet",
+    )
+
+
+async def baseline(config_digest: str) -> list[float]:
+    return await workflow.execute_activity_method(
+        FleetActivities.baseline,
+        config_digest,
+        start_to_close_timeout=QUICK,
+        summary=f"ask the fleet for healthy step times of configuration {config_digest}",
+    )
+
+
+async def record_baseline(config_digest: str, medians: list[float]) -> int:
+    return await workflow.execute_activity_method(
+        FleetActivities.record_baseline,
+        RecordWindows(config_digest=config_digest, medians=medians),
+        start_to_close_timeout=QUICK,
+        summary=f"teach the fleet {len(medians)} healthy step-time windows of {config_digest}",
+    )
+
+
+async def mark_suspect(node: str, reason: str) -> None:
+    await workflow.execute_activity_method(
+        FleetActivities.mark_suspect,
+        MarkSuspect(node=node, reason=reason),
+        start_to_close_timeout=QUICK,
+        summary=f"mark {node} suspect: {reason}",
+    )
+
+
+async def dump_stacks(run_id: str, node: str) -> NodeStacks:
+    return await workflow.execute_activity_method(
+        NodeActivities.dump_stacks,
+        run_id,
+        task_queue=node_queue(node),
+        start_to_close_timeout=timedelta(seconds=30),
+        schedule_to_start_timeout=timedelta(seconds=15),
+        summary=f"{node}: dump every rank's Python stacks",
     )

@@ -27,14 +27,21 @@ with workflow.unsafe.imports_passed_through():
     from activities.selftest import SelfTestActivities, SelfTestInput
     from core import fleet
     from core.fleet import Baseline, EvictionOutcome, FleetNode, FleetState, NodeState, Quarantine, SelfTestResult
+    from core.fleet_requests import (
+        Acquire,
+        Grant,
+        MarkSuspect,
+        QuarantineNode,
+        RecordBaseline,
+        RecordEviction,
+        RegisterNode,
+        Release,
+        Retest,
+        TakeSpare,
+    )
     from core.launch import node_queue
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
-
-
-def fleet_id(cluster: str = "default") -> str:
-    """The workflow id of a cluster's fleet: one FleetWorkflow per cluster."""
-    return f"fleet-{cluster}"
 
 
 class FleetInput(BaseModel):
@@ -42,57 +49,6 @@ class FleetInput(BaseModel):
     # A node agent that does not pick up its self-test within this long is down: the node stays quarantined.
     self_test_pickup_seconds: float = 300.0
     max_history: int | None = None  # for tests: continue-as-new past this many history events
-
-
-class RegisterNode(BaseModel):
-    node: str
-    rack: str
-    spare: bool = False
-
-
-class Acquire(BaseModel):
-    run_id: str
-    wanted: list[str]
-
-
-class Grant(BaseModel):
-    granted: list[str]
-    refused: dict[str, str]  # node → why, e.g. "n2 is quarantined: crash in rank 3 (run r1)"
-
-
-class TakeSpare(BaseModel):
-    run_id: str
-    candidates: list[str]
-
-
-class Release(BaseModel):
-    run_id: str
-
-
-class MarkSuspect(BaseModel):
-    node: str
-    reason: str
-
-
-class QuarantineNode(BaseModel):
-    node: str
-    reason: str
-    run_id: str | None = None  # None: an operator's decision, no run involved
-
-
-class Retest(BaseModel):
-    node: str
-
-
-class RecordEviction(BaseModel):
-    node: str
-    run_id: str
-    resolved: bool
-
-
-class RecordBaseline(BaseModel):
-    config_digest: str
-    step_seconds: float  # the median step time of one healthy window
 
 
 @workflow.defn

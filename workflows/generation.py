@@ -18,7 +18,7 @@ from workflows import calls
 with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import KeeperInput, KeeperResult
     from core.events import MonitorEvent, MonitorInput, NodeOutcome
-    from core.faults import BrokenNode
+    from core.faults import HARDWARE
     from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
     from core.retention import to_delete
     from core.run import RunStatus
@@ -46,6 +46,10 @@ class Generation:
 
 def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[MonitorEvent]:
     resume = status.latest_valid_checkpoint()
+    health = status.spec.health
+    # What this generation already reported is not reported again (a resize renumbers ranks, so
+    # only this generation's detections count).
+    seen = [d for d in status.detections if d.generation == status.generation]
     return calls.monitor(
         MonitorInput(
             run_id=status.run_id,
@@ -55,6 +59,13 @@ def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[MonitorEvent]
             resume_step=resume.step if resume else 0,
             await_first_step=first_step,
             after=status.telemetry_cursor,
+            step_timeout=None if health.step_timeout == "auto" else health.step_timeout,
+            straggler_sigma=health.straggler_sigma,
+            straggler_steps=health.straggler_steps,
+            baseline=status.baseline,
+            known_stragglers=[d.rank for d in seen if d.rank is not None],
+            slowdown_known=any(d.kind == "slowdown" for d in seen),
+            healthy_windows=health.baseline_windows,
         )
     )
 
@@ -129,7 +140,7 @@ def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps:
                 entrypoint=spec.entrypoint,
                 env=env,
                 adopt=membership.adopt.get(node, {}) if membership else {},
-                broken=[f.part for f in spec.faults if isinstance(f, BrokenNode) and f.node == node],
+                hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],
             ),
             origin,
             spec.health.node_heartbeat_timeout,

@@ -10,8 +10,7 @@ every side effect is an activity (workflows/calls.py).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag, ValidationError
@@ -19,22 +18,29 @@ from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError
 
-from workflows import calls, generation
+from workflows import calls, generation, incidents, requests
 from workflows.generation import Generation
+from workflows.requests import Request
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
     from activities.checkpoints import ChooseInput, KeeperResult
-    from activities.fleet import Replace
-    from core.events import FirstStep, MonitorEvent, MonitorInput, NodeLost, NodeOutcome, RankFailed, RanksFinished
+    from core.events import (
+        FirstStep,
+        Hang,
+        HealthyWindows,
+        MonitorEvent,
+        NodeLost,
+        NodeOutcome,
+        RanksFinished,
+        SlowdownFound,
+        StragglerFound,
+    )
     from core.goodput import ledger
     from core.health import Health, health_table
     from core.interval import checkpoint_seconds, checkpoint_steps
-    from core.launch import Membership, without_node
-    from core.paging import PLANNED, PagingClass, classify
-    from core.recovery import interruption_from, supersede
-    from core.run import Cause, CheckpointRecord, Interruption, RunResult, RunState, RunStatus
+    from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
     from core.telemetry import Command
 
@@ -67,15 +73,6 @@ class ResumeFrom(BaseModel):
     step: int
 
 
-@dataclass
-class _Request:
-    kind: Literal["drain", "pause", "rollback"]
-    node: str = ""
-    reason: str = ""
-    step: int = 0
-    outcome: str | None = None  # set when the main loop has carried it out
-
-
 @workflow.defn(failure_exception_types=[ValidationError])
 class RunWorkflow:
     @workflow.init
@@ -88,8 +85,8 @@ class RunWorkflow:
                 spec=input, run_id=f"{info.workflow_id}/{info.first_execution_run_id[:8]}", nodes=list(input.nodes)
             )
         self.run_id = self.status.run_id
-        self._requests: list[_Request] = []
-        self._resumed = False
+        self.requests: list[Request] = []
+        self.resumed = False
 
     @property
     def spec(self) -> RunSpec:
@@ -101,10 +98,12 @@ class RunWorkflow:
         if status.started_at is None:
             status.started_at = workflow.now()
             await self._acquire()
+            if self.spec.hooks:
+                status.baseline = await calls.baseline(self.spec.config_digest)
         try:
             while not status.state.terminal:
                 if status.state == RunState.STOPPED:
-                    await self._stopped()
+                    await requests.stopped(self)
                     continue
                 await self._supervise(await self._start())
                 if self._continue_as_new_due():
@@ -112,7 +111,7 @@ class RunWorkflow:
                     workflow.continue_as_new(CarriedRun(status=status))
         except asyncio.CancelledError:
             await self._release()
-            self._set_state(RunState.CANCELLED)
+            self.set_state(RunState.CANCELLED)
             raise
         await self._release()
         status.finished_at = workflow.now()
@@ -140,6 +139,11 @@ class RunWorkflow:
         return self.status.interruptions
 
     @workflow.query
+    def detections(self) -> list[Detection]:
+        """Stragglers and slowdowns: slow, not stopped, so not interruptions."""
+        return self.status.detections
+
+    @workflow.query
     def checkpoints(self) -> list[CheckpointRecord]:
         """Every checkpoint the run wrote: validated or not, and why; deleted by retention or kept."""
         return self.status.checkpoints
@@ -147,21 +151,21 @@ class RunWorkflow:
     @workflow.signal
     async def force_checkpoint(self) -> None:
         """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
-        self._set_state(RunState.CHECKPOINTING)
-        await self._command("checkpoint", "checkpoint at the next step all ranks agree on")
+        self.set_state(RunState.CHECKPOINTING)
+        await self.command("checkpoint", "checkpoint at the next step all ranks agree on")
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:
-        self._requests.append(_Request(kind="pause", reason=reason))
+        self.requests.append(Request(kind="pause", reason=reason))
 
     @workflow.signal
     def resume(self) -> None:
-        self._resumed = True
+        self.resumed = True
 
     @workflow.update
     async def drain_node(self, request: DrainNode) -> str:
         """Take a node out of the run: drain, wait, checkpoint, resize (spare or fewer nodes), resume."""
-        return await self._carry_out(_Request(kind="drain", node=request.node, reason=request.reason))
+        return await self._carry_out(Request(kind="drain", node=request.node, reason=request.reason))
 
     @drain_node.validator
     def _check_drain(self, request: DrainNode) -> None:
@@ -175,7 +179,7 @@ class RunWorkflow:
     @workflow.update
     async def resume_from(self, request: ResumeFrom) -> str:
         """Roll the run back to the validated checkpoint of `step` and continue from there."""
-        return await self._carry_out(_Request(kind="rollback", step=request.step))
+        return await self._carry_out(Request(kind="rollback", step=request.step))
 
     @resume_from.validator
     def _check_resume_from(self, request: ResumeFrom) -> None:
@@ -185,8 +189,8 @@ class RunWorkflow:
             )
             raise ValueError(f"no validated checkpoint at step {request.step}; valid steps: {valid or 'none yet'}")
 
-    async def _carry_out(self, request: _Request) -> str:
-        self._requests.append(request)
+    async def _carry_out(self, request: Request) -> str:
+        self.requests.append(request)
         await workflow.wait_condition(lambda: request.outcome is not None)
         return request.outcome or ""
 
@@ -198,13 +202,13 @@ class RunWorkflow:
         nodes = list(self.status.nodes)
         for node, why in grant.refused.items():
             workflow.logger.warning("fleet refused %s: %s", node, why)
-            spare = await calls.take_spare(self.run_id, self._spare_candidates())
+            spare = await calls.take_spare(self.run_id, self.spare_candidates())
             nodes = [spare if n == node else n for n in nodes] if spare else [n for n in nodes if n != node]
             if spare:
                 self.status.spares_used.append(spare)
         self.status.nodes = nodes
         if len(nodes) < self.spec.min_nodes:
-            self._stop(f"the fleet has {len(nodes)} usable nodes of the {self.spec.min_nodes} this run needs")
+            self.stop(f"the fleet has {len(nodes)} usable nodes of the {self.spec.min_nodes} this run needs")
 
     async def _start(self) -> Generation:
         status = self.status
@@ -215,66 +219,55 @@ class RunWorkflow:
             resume = status.latest_valid_checkpoint()
             status.interruptions[-1].resumed_at(resume.step if resume else 0)
         if not status.reattach:
-            self._set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
+            self.set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
         status.endpoints = await generation.endpoints(status, fresh_store=not status.reattach)
-        started = generation.start(status, self._checkpoint_seconds(), self._checkpoint_steps())
+        started = generation.start(status, self._checkpoint_seconds(), self.checkpoint_steps())
         status.membership, status.reattach = None, False
         return started
 
     async def _supervise(self, gen: Generation) -> None:
         """Handle this generation's events until it ends (interruption, completion, a request, continue-as-new)."""
         while True:
-            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._requests)))
+            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self.requests)))
             done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
             if not ask.done():
                 ask.cancel()
             if gen.monitor is not None and gen.monitor in done:
-                self._on_monitor_event(gen.monitor.result())
+                event = gen.monitor.result()
+                self._on_monitor_event(event)
+                if isinstance(event, Hang):
+                    await incidents.hang(self, gen, event)
+                    return
+                if isinstance(event, StragglerFound):
+                    await incidents.straggler(self, event)
+                elif isinstance(event, SlowdownFound):
+                    incidents.slowdown(self, event)
+                elif isinstance(event, HealthyWindows):
+                    await calls.record_baseline(self.spec.config_digest, event.medians)
                 gen.monitor = generation.monitor(self.status, first_step=False)
             if gen.keeper is not None and gen.keeper in done:
-                self._on_checkpoint(gen.keeper.result())
-                gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
+                self.on_checkpoint(gen.keeper.result())
+                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
             for node, task in gen.nodes.items():
                 if task in done:
-                    outcome = await self._outcome(node, task)
+                    outcome = await self.outcome(node, task)
                     if isinstance(outcome, RanksFinished):
                         gen.finished.add(node)
                     else:
-                        culprit = await self._culprit(gen, outcome)
-                        await gen.cancel()
-                        await self._recover(culprit)
+                        await incidents.failure(self, gen, outcome)
                         return
             if len(gen.finished) == len(gen.nodes):
                 await self._finish(gen)
                 return
-            if self._requests:
-                await self._handle(self._requests.pop(0), gen)
+            if self.requests:
+                await requests.carry_out(self, self.requests.pop(0), gen)
                 return
             if self._continue_as_new_due():
                 self.status.reattach = True
                 await gen.cancel()
                 return
 
-    async def _culprit(self, gen: Generation, first: RankFailed | NodeLost) -> RankFailed | NodeLost:
-        """A rank that died of a lost peer is a witness: wait (up to a heartbeat timeout) for the node
-        that actually failed, whose agent reports a crash or falls silent."""
-        if not (isinstance(first, RankFailed) and first.peer_lost):
-            return first
-        deadline = workflow.now() + timedelta(seconds=self.spec.health.node_heartbeat_timeout + 5)
-        pending = {task: node for node, task in gen.nodes.items() if node not in gen.finished and node != first.node}
-        while pending and workflow.now() < deadline:
-            done, _ = await workflow.wait(
-                list(pending), timeout=(deadline - workflow.now()).total_seconds(), return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                outcome = await self._outcome(pending.pop(task), task)
-                if isinstance(outcome, NodeLost) or (isinstance(outcome, RankFailed) and not outcome.peer_lost):
-                    return outcome
-            if not done:
-                break
-        return first
-
-    async def _outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
+    async def outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
             return await task
         except ActivityError as exc:
@@ -311,9 +304,9 @@ class RunWorkflow:
             if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
                 last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
                 last.restored_from = last.restored_from or event.restored_from
-            self._set_state(RunState.RUNNING)
+            self.set_state(RunState.RUNNING)
 
-    def _on_checkpoint(self, result: KeeperResult) -> None:
+    def on_checkpoint(self, result: KeeperResult) -> None:
         status = self.status
         status.checkpoint_cursor = result.after
         for record in status.checkpoints:
@@ -322,46 +315,12 @@ class RunWorkflow:
         status.checkpoints.append(result.checkpoint)
         status.progress.step = max(status.progress.step, result.checkpoint.step)
         if status.state == RunState.CHECKPOINTING:
-            self._set_state(RunState.RUNNING)
+            self.set_state(RunState.RUNNING)
         workflow.upsert_search_attributes(
             [STEP.value_set(status.progress.step), GOODPUT.value_set(ledger(status, workflow.now()).goodput)]
         )
 
-    async def _recover(self, failure: RankFailed | NodeLost) -> None:
-        """A crash or a lost node: quarantine it, find its replacement, and restart from a checkpoint."""
-        status = self.status
-        self._set_state(RunState.DIAGNOSING)
-        interruption = interruption_from(failure, status, workflow.now())
-        interruption.paging = classify(status.interruptions, interruption, self.spec.checkpoint.prior_mtbf, None)
-        if interruption.cause == Cause.CHECKPOINT_INVALID:
-            interruption.actions.append("marked the checkpoint it was given unusable")
-        else:
-            await self._replace(interruption, failure.node, interruption.line())
-            if isinstance(failure, RankFailed):  # its agent is up: stop the node's other ranks, free its memory
-                await calls.release(self.run_id, failure.node)
-        self._record(interruption)
-        if interruption.paging.paging == PagingClass.DETERMINISTIC:
-            self._stop(f"{interruption.paging.rule}: {interruption.paging.evidence}. {interruption.paging.action}")
-            interruption.actions.append("stopped the run for a person")
-
-    async def _replace(self, interruption: Interruption, node: str, reason: str) -> Membership:
-        """Quarantine `node` and put a spare in its place, or go on without it (or stop, below the minimum)."""
-        replacement = await calls.replace(
-            Replace(run_id=self.run_id, node=node, reason=reason, candidates=self._spare_candidates())
-        )
-        interruption.actions.append(f"quarantined {node} in the fleet (self-test running)")
-        membership = without_node(self.status.nodes, node, replacement.spare, self.spec.ranks_per_node)
-        if replacement.spare:
-            self.status.spares_used.append(replacement.spare)
-            interruption.actions.append(f"replaced {node} with spare {replacement.spare}")
-        elif len(membership.nodes) >= self.spec.min_nodes:
-            interruption.actions.append(f"no spare free: continuing on {len(membership.nodes)} nodes")
-        else:
-            interruption.actions.append(f"no spare free and {len(membership.nodes)} nodes < min {self.spec.min_nodes}")
-        self.status.nodes = list(membership.nodes)
-        return membership
-
-    def _record(self, interruption: Interruption) -> None:
+    def record(self, interruption: Interruption) -> None:
         """Add the interruption to the timeline; the generation that follows fills in where it resumed."""
         status = self.status
         status.interruptions.append(interruption)
@@ -369,9 +328,9 @@ class RunWorkflow:
         status.generation += 1
         if len(status.interruptions) > self.spec.max_restarts:
             status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
-            self._set_state(RunState.FAILED)
+            self.set_state(RunState.FAILED)
         elif len(status.nodes) < self.spec.min_nodes:
-            self._stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+            self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
 
     async def _finish(self, gen: Generation) -> None:
         """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
@@ -382,11 +341,11 @@ class RunWorkflow:
             if gen.monitor is not None:
                 gen.monitor.cancel()
             while not any(c.step == target and c.generation == gen.number for c in self.status.checkpoints):
-                self._on_checkpoint(await gen.keeper)
-                gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
+                self.on_checkpoint(await gen.keeper)
+                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
             await gen.cancel()
             if not any(c.step == target and c.validated for c in self.status.checkpoints):
-                self._record(
+                self.record(
                     Interruption(
                         at=workflow.now(),
                         generation=self.status.generation,
@@ -398,130 +357,15 @@ class RunWorkflow:
                 )
                 return
             self.status.progress.step = target
-        self._set_state(RunState.COMPLETED)
-
-    # -- requests: drain, pause, roll back ------------------------------------------------------
-
-    async def _handle(self, request: _Request, gen: Generation) -> None:
-        if request.kind == "rollback":
-            await gen.cancel()
-            request.outcome = self._rollback(request.step)
-            return
-        started = workflow.now()
-        held_at = await self._hold(gen, f"drain {request.node}" if request.kind == "drain" else "pause")
-        interruption = Interruption(
-            at=started,
-            generation=self.status.generation,
-            detected_by="operator" if request.reason else "detector",
-            cause=Cause.DRAIN if request.kind == "drain" else Cause.PAUSE,
-            node=request.node or None,
-            step=held_at,
-            restored_from="live",
-            detail=request.reason,
-            actions=[f"every rank held at step {held_at} with a checkpoint of it"],
-            paging=PLANNED,
-        )
-        interruption.resumed_at(held_at)
-        if request.kind == "drain":
-            membership = await self._replace(interruption, request.node, f"drained: {request.reason}")
-            await calls.command(self.run_id, request.node, self._next_command("exit"), "ranks leave the group")
-            await calls.release(self.run_id, request.node)
-            interruption.actions.append(f"resized to {len(membership.nodes)} nodes; survivors kept their processes")
-        else:
-            self._set_state(RunState.STOPPED, f"paused: {request.reason}")
-            self._resumed = False
-            await workflow.wait_condition(lambda: self._resumed)
-            interruption.idle_seconds = (workflow.now() - started).total_seconds()
-            membership = without_node(self.status.nodes, "", None, self.spec.ranks_per_node)
-            interruption.actions.append("resumed by an operator")
-        await gen.cancel()
-        self._set_state(RunState.RESIZING if request.kind == "drain" else RunState.RESUMING)
-        self.status.membership = membership
-        self._record(interruption)
-        request.outcome = f"held at step {held_at}; " + "; ".join(interruption.actions[1:])
-
-    async def _hold(self, gen: Generation, why: str) -> int:
-        """Drain and wait: every rank finishes the in-flight step, checkpoints it, and holds. Then the
-        checkpoint of that step is judged before anything about the group changes."""
-        self._set_state(RunState.DRAINING, why)
-        await self._command("hold", f"{why}: finish the in-flight step, checkpoint it, hold")
-        held = await calls.hold(
-            MonitorInput(
-                run_id=self.run_id,
-                generation=gen.number,
-                world_size=self.status.world_size,
-                endpoints=self.status.endpoints,
-                after=self.status.telemetry_cursor,
-            )
-        )
-        self._set_state(RunState.CHECKPOINTING, f"{why}: validating the checkpoint of step {held.step}")
-        while gen.keeper is not None and not any(
-            c.step == held.step and c.generation == gen.number for c in self.status.checkpoints
-        ):
-            self._on_checkpoint(await gen.keeper)
-            gen.keeper = generation.keeper(self.status, self._checkpoint_steps())
-        return held.step
-
-    def _rollback(self, step: int) -> str:
-        """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
-        superseded = supersede(self.status.checkpoints, step)
-        interruption = Interruption(
-            at=workflow.now(),
-            generation=self.status.generation,
-            detected_by="operator",
-            cause=Cause.ROLLBACK,
-            step=self.status.progress.step,
-            detail=f"resume_from step {step}",
-            actions=[f"marked {len(superseded)} later checkpoints superseded"],
-            paging=PLANNED,
-        )
-        self._record(interruption)
-        if self.status.state == RunState.STOPPED:
-            self._set_state(RunState.RESUMING)
-        return f"rolling back to step {step}; {len(superseded)} later checkpoints superseded"
-
-    async def _stopped(self) -> None:
-        """Nobody trains. Wait for a person (resume, resume_from) or, with too few nodes, for a spare."""
-        began = workflow.now()
-        delay = 5.0
-        while self.status.state == RunState.STOPPED:
-            short = len(self.status.nodes) < self.spec.min_nodes
-            try:
-                await workflow.wait_condition(
-                    lambda: (self._resumed and len(self.status.nodes) >= self.spec.min_nodes) or bool(self._requests),
-                    timeout=timedelta(seconds=delay) if short else None,
-                )
-            except TimeoutError:
-                if spare := await calls.take_spare(self.run_id, self._spare_candidates()):
-                    self.status.nodes.append(spare)
-                    self.status.spares_used.append(spare)
-                    if (membership := self.status.membership) is not None:  # survivors are holding
-                        membership.nodes = list(self.status.nodes)
-                        membership.newcomers.append(spare)
-                if len(self.status.nodes) >= self.spec.min_nodes:
-                    self._set_state(RunState.RESUMING)
-                delay = min(delay * 2, 60.0)
-                continue
-            if self._requests:
-                request = self._requests.pop(0)
-                request.outcome = (
-                    self._rollback(request.step)
-                    if request.kind == "rollback"
-                    else f"the run is stopped ({self.status.failure}): resume it first"
-                )
-            else:
-                self._resumed = False
-                self._set_state(RunState.RESUMING)
-        if self.status.interruptions:
-            self.status.interruptions[-1].idle_seconds += (workflow.now() - began).total_seconds()
+        self.set_state(RunState.COMPLETED)
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _stop(self, reason: str) -> None:
+    def stop(self, reason: str) -> None:
         self.status.failure = reason
-        self._set_state(RunState.STOPPED, reason)
+        self.set_state(RunState.STOPPED, reason)
 
-    def _spare_candidates(self) -> list[str]:
+    def spare_candidates(self) -> list[str]:
         """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
         return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
 
@@ -531,15 +375,15 @@ class RunWorkflow:
     def _checkpoint_seconds(self) -> float | None:
         return checkpoint_seconds(self.status, workflow.now())
 
-    def _checkpoint_steps(self) -> float:
+    def checkpoint_steps(self) -> float:
         return checkpoint_steps(self.status, workflow.now())
 
-    def _next_command(self, kind: Literal["checkpoint", "hold", "exit"]) -> Command:
+    def next_command(self, kind: Literal["checkpoint", "hold", "exit"]) -> Command:
         self.status.command_seq += 1
         return Command(seq=self.status.command_seq, kind=kind)
 
-    async def _command(self, kind: Literal["checkpoint", "hold", "exit"], summary: str) -> None:
-        command = self._next_command(kind)
+    async def command(self, kind: Literal["checkpoint", "hold", "exit"], summary: str) -> None:
+        command = self.next_command(kind)
         await asyncio.gather(*(calls.command(self.run_id, node, command, summary) for node in self.status.nodes))
 
     async def _release(self) -> None:
@@ -548,7 +392,7 @@ class RunWorkflow:
         await asyncio.gather(*(calls.release(self.run_id, n) for n in self.status.nodes), return_exceptions=True)
         await calls.release_nodes(self.run_id)
 
-    def _set_state(self, state: RunState, note: str = "") -> None:
+    def set_state(self, state: RunState, note: str = "") -> None:
         self.status.state = state
         workflow.set_current_details(health_table(self.status, note))
         workflow.upsert_search_attributes([RUN_STATE.value_set(state.value)])

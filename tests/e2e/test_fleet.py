@@ -21,13 +21,8 @@ from temporalio.worker import Worker
 
 from activities.selftest import SelfTestActivities
 from core.fleet import FleetNode, NodeState
-from core.launch import node_queue
-from tests.helpers import workflow_id
-from workers.devstack import DevStack
-from workflows.fleet import (
+from core.fleet_requests import (
     Acquire,
-    FleetInput,
-    FleetWorkflow,
     Grant,
     QuarantineNode,
     RecordBaseline,
@@ -36,6 +31,10 @@ from workflows.fleet import (
     Release,
     Retest,
 )
+from core.launch import node_queue
+from tests.helpers import workflow_id
+from workers.devstack import DevStack
+from workflows.fleet import FleetInput, FleetWorkflow
 
 
 @contextlib.asynccontextmanager

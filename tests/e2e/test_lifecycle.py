@@ -10,6 +10,7 @@ import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 
 from core.fleet import NodeState
+from core.fleet_requests import Acquire, Release, fleet_id
 from core.run import Cause, RunState
 from core.telemetry import StepReport
 from tests.helpers import (
@@ -24,7 +25,7 @@ from tests.helpers import (
     wait_until,
 )
 from workers.devstack import DevStack
-from workflows.fleet import Acquire, FleetWorkflow, Release, fleet_id
+from workflows.fleet import FleetWorkflow
 from workflows.run import DrainNode, ResumeFrom, RunWorkflow
 
 GLOBAL_BATCH = 8

@@ -1,0 +1,115 @@
+"""Failures that do not announce themselves: a hang, a straggler, every rank slow at once. Each is
+told apart from the others and from a crash or a lost node (tests/e2e/test_durability.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from core.detectors import SMOOTH_STEPS
+from core.fleet_requests import fleet_id
+from core.paging import PagingClass
+from core.run import Cause, RunState
+from core.spec import RunSpec
+from tests.helpers import start, tiny_spec, wait_for_fleet
+from workflows.fleet import FleetWorkflow
+from workflows.run import RunWorkflow
+
+# Simulated device time per step makes compute times as steady as a GPU's (see --device-ms): four
+# or eight ranks sharing two cores otherwise jitter by tens of percent.
+ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "20"]
+
+
+def detection_spec(root: Path, device_ms: int = 20, **overrides: object) -> RunSpec:
+    return tiny_spec(
+        root,
+        entrypoint=[*ENTRYPOINT[:-1], str(device_ms)],
+        checkpoint={"root": str(root), "interval": "50 steps"},
+        health={"baseline_windows": 2, "straggler_steps": 20},
+        **overrides,
+    )
+
+
+async def test_a_hang_inside_the_collective_names_the_rank_and_quarantines_its_node(
+    client: Client, checkpoint_root: Path
+) -> None:
+    spec = detection_spec(checkpoint_root, target_step=150, faults=[{"kind": "hang", "rank": 3, "at_step": 60}])
+    handle = await start(client, spec, "hang")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    (hang,) = result.interruptions
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, "n2", 3), "a hang, not a crash, and its culprit"
+    assert hang.detected_after_s is not None and hang.detected_after_s <= 10 + 5  # auto timeout: its 10 s floor
+    dumps = {Path(p).name: Path(p).read_text() for p in hang.artifacts}
+    assert len(dumps) == 4, "every rank's stacks were kept"
+    assert "barrier" in dumps["rank-3.stacks"] and "barrier" not in dumps["rank-0.stacks"]
+    status = await handle.query(RunWorkflow.status_query)
+    assert "n2" not in status.nodes
+    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    records = [q for q in await fleet.query(FleetWorkflow.quarantines) if q.node == "n2"]
+    assert any(status.run_id in q.run_ids_affected and "hang" in q.reason for q in records)
+    assert not await handle.query(RunWorkflow.detections)
+
+
+async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
+    client: Client, checkpoint_root: Path
+) -> None:
+    faults = [{"kind": "straggler", "rank": 1, "factor": 1.2, "from_step": 40}]
+    # Eight ranks of 100 ms device steps: a robust median needs peers, and a 20% excess needs a step
+    # long enough that scheduling jitter on two cores is a few percent of it.
+    spec = detection_spec(
+        checkpoint_root, device_ms=100, target_step=120, world_size=8, ranks_per_node=4, faults=faults
+    )
+    handle = await start(client, spec, "straggler")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert result.interruptions == [], "slow is not failed: nothing was interrupted"
+    (found,) = await handle.query(RunWorkflow.detections)
+    assert (found.kind, found.rank, found.node) == ("straggler", 1, "n1")
+    # k = 20 consecutive slow steps, after the rolling median (SMOOTH_STEPS) has caught the change.
+    assert 40 + 20 - 1 <= found.step <= 40 + 20 + SMOOTH_STEPS, "flagged within k steps"
+    assert 1.1 < found.ratio < 1.35
+    await wait_for_fleet(client, lambda nodes: nodes["n1"].note.startswith("straggler"))
+
+
+@pytest.fixture(scope="module")
+async def healthy_run(client: Client, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunSpec]:
+    """2,000 healthy steps: nothing may be flagged, and the fleet learns this configuration's step time."""
+    spec = detection_spec(tmp_path_factory.mktemp("healthy"), target_step=2000)
+    handle = await start(client, spec, "healthy")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert result.interruptions == []
+    assert await handle.query(RunWorkflow.detections) == [], "a healthy run flags nothing"
+    yield spec
+
+
+async def test_a_healthy_run_flags_nothing_and_teaches_the_fleet(client: Client, healthy_run: RunSpec) -> None:
+    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    baseline = await fleet.query(FleetWorkflow.baseline, healthy_run.config_digest)
+    assert baseline is not None and len(baseline.step_seconds) >= 30
+
+
+async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
+    client: Client, healthy_run: RunSpec, checkpoint_root: Path
+) -> None:
+    faults = [
+        {"kind": "slowdown", "factor": 1.3, "from_step": 150},
+        {"kind": "thermal", "rack": "rack-a"},  # the aisle of n1 and n2 runs hot
+    ]
+    spec = detection_spec(checkpoint_root, target_step=400, faults=faults)
+    assert spec.config_digest == healthy_run.config_digest
+    handle = await start(client, spec, "hot-aisle")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert result.interruptions == [], "nobody evicted"
+    detections = await handle.query(RunWorkflow.detections)
+    assert [d.kind for d in detections] == ["slowdown"], "the relative check sees nothing: every rank is slow alike"
+    (slowdown,) = detections
+    assert slowdown.diagnosis == "environmental"
+    assert slowdown.paging is not None and slowdown.paging.paging == PagingClass.CORRELATED
+    assert 1.15 < slowdown.ratio < 1.4
+    assert (await handle.query(RunWorkflow.status_query)).nodes == ["n1", "n2"]
