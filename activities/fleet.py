@@ -7,8 +7,7 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import Client
 
-from core.fleet import Quarantine
-from core.fleet import Baseline
+from core.fleet import Baseline, Quarantine
 from core.fleet_requests import (
     Acquire,
     Grant,

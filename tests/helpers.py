@@ -12,10 +12,11 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowHandle
 
 from core.fleet import FleetNode
+from core.fleet_requests import fleet_id
 from core.run import RunStatus
 from core.spec import RunSpec
 from core.telemetry import Record, StepReport, Subscribe
-from workflows.fleet import FleetWorkflow, fleet_id
+from workflows.fleet import FleetWorkflow
 from workflows.run import RunWorkflow
 
 ROOT = Path(__file__).resolve().parent.parent
