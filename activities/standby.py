@@ -29,7 +29,7 @@ from training.standby import Assignment, unfit
 
 log = structlog.get_logger()
 
-REFILL_DELAY_S = 10.0  # after a take: the restarted ranks restore and step first
+REFILL_DELAY_S = 5.0  # after a take: the restarted ranks restore and take their first step first
 WARM_TIMEOUT_S = 180.0  # a standby that is not warm by then is broken (or the host is): replace it
 RETRY_AFTER_S = 30.0  # after a standby died warming: do not spin on a broken interpreter or module
 
@@ -87,9 +87,12 @@ class StandbyPool:
             try:
                 await self._assign(standby, Assignment(argv=argv, env=launch_env, log=log_path, cwd=Path.cwd()))
             except ConnectionError:  # it died just now; try the next one
+                _discard(standby)
                 continue
             self._fill_soon(self.refill_delay)
-            log.info("rank handed to a standby", rank=rank, generation=generation, pid=standby.process.pid, warm=warm)
+            state = "warm" if warm else "still warming"
+            pid = standby.process.pid
+            log.info("rank handed to a standby", rank=rank, generation=generation, pid=pid, standby=state)
             return RankProcess(rank=rank, generation=generation, process=standby.process, log_path=log_path)
         if self.size:
             log.info("cold start: no standby left", rank=rank)
@@ -104,20 +107,15 @@ class StandbyPool:
             await asyncio.gather(self._filling, return_exceptions=True)
         standbys, self.standbys = self.standbys, []
         for standby in standbys:
-            standby.warming.cancel()
-            if standby.process.stdin is not None:
-                standby.process.stdin.close()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(standby.process.pid, signal.SIGKILL)
+            _discard(standby)
         await asyncio.gather(
             *(s.process.wait() for s in standbys), *(s.warming for s in standbys), return_exceptions=True
         )
 
     def _pick(self) -> Standby | None:
         for dead in [s for s in self.standbys if not s.alive]:
-            if dead.process.stdin is not None:
-                dead.process.stdin.close()  # lets asyncio finish reaping it
-        self.standbys = [s for s in self.standbys if s.alive]
+            self.standbys.remove(dead)
+            _discard(dead)
         return min(self.standbys, key=lambda s: not s.warm, default=None)
 
     @staticmethod
@@ -136,12 +134,18 @@ class StandbyPool:
     async def _fill(self, delay: float) -> None:
         await asyncio.sleep(delay)
         while not self._closed and len([s for s in self.standbys if s.alive]) < self.size:
-            standby = await self._spawn()
+            try:
+                standby = await self._spawn()
+            except OSError as exc:  # out of processes or memory: the host's problem, not a rank's
+                log.warning("cannot start a standby", error=str(exc))
+                await asyncio.sleep(RETRY_AFTER_S)
+                continue
             self.standbys.append(standby)
             if not await standby.warming:  # one at a time: each warm-up gets the CPU it needs
                 log.warning("standby failed to warm up", pid=standby.process.pid, log=str(self.log_path))
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(standby.process.pid, signal.SIGKILL)
+                if standby in self.standbys:
+                    self.standbys.remove(standby)
+                _discard(standby)
                 await asyncio.sleep(RETRY_AFTER_S)
 
     async def _spawn(self) -> Standby:
@@ -158,6 +162,15 @@ class StandbyPool:
         finally:
             os.close(write_fd)  # the standby holds the only write end: its death reads as EOF
         return Standby(process=process, env=env, warming=asyncio.create_task(_warmed(read_fd, process.pid)))
+
+
+def _discard(standby: Standby) -> None:
+    """Kill a standby nobody will use; closing its stdin lets asyncio finish reaping it."""
+    standby.warming.cancel()
+    if standby.process.stdin is not None:
+        standby.process.stdin.close()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(standby.process.pid, signal.SIGKILL)
 
 
 async def _warmed(read_fd: int, pid: int) -> bool:

@@ -1,5 +1,5 @@
 """One worker of bench/recovery.py's torchrun side: `training.train`, restartable the way a torchrun
-script must be, plus the two timestamps the benchmark needs.
+script must be, plus the timestamp the benchmark needs.
 
     torchrun --nnodes 1 --nproc-per-node 4 --max-restarts 3 -m bench.torchrun_worker --preset tiny ...
 
@@ -9,10 +9,10 @@ newest committed `step-*` directory (what a torchrun script does with its own ch
 as generation n, so the crash the fault plan gives generation 0 does not fire again. Nothing else of
 the trainer changes; without STAYALIVE_AGENT it has no telemetry channel.
 
-Timestamps go to the JSON-lines file BENCH_EVENTS (appends of one short line are atomic):
-  {"event": "crash", "rank": r, "step": s, "at": t}   just before the injected crash exits the process
-  {"event": "step", "restart": n, "rank": r, "step": s, "at": t}   each attempt's first completed step,
-      with the trainer's own StepReport time (what stayalive's run monitor reads for its first step)
+Each attempt's first completed step goes to the JSON-lines file BENCH_EVENTS (appends of one short
+line are atomic), with the trainer's own StepReport time, which is what stayalive's run monitor
+reads for its first step: {"event": "step", "restart": n, "rank": r, "step": s, "at": t}. The crash
+time is the trainer's own "injected crash" log line.
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
-from core.faults import Crash
 from core.telemetry import StepReport
 from training import train
 from training.checkpoint import MANIFEST, checkpoint_order
-from training.faults import FaultInjector
 from training.supervision import Supervision
 
 
@@ -46,25 +44,17 @@ def newest_checkpoint(directory: Path) -> Path | None:
 
 
 def instrument(restart: int) -> None:
-    """Record the crash and the first step through the trainer's own hooks, without changing them."""
-    before_collective = FaultInjector.before_collective
+    """Record this attempt's first step through the trainer's own reporting hook, without changing it."""
     report = Supervision.report
     first = True
 
-    def crashing(self: FaultInjector, step: int) -> None:
-        # The same match FaultInjector._crash makes for a crash in the middle of a step.
-        if any(isinstance(f, Crash) and f.at_step == step and f.during == "step" for f in self.faults):
-            record("crash", rank=self.rank, step=step, at=time.time())
-        before_collective(self, step)
-
-    def reporting(self: Supervision, message: BaseModel) -> None:
+    def reporting(self: Supervision, message: BaseModel, *args: Any, **kwargs: Any) -> None:
         nonlocal first
         if first and isinstance(message, StepReport):
             first = False
             record("step", restart=restart, rank=message.rank, step=message.step, at=message.at)
-        report(self, message)
+        report(self, message, *args, **kwargs)
 
-    FaultInjector.before_collective = crashing  # type: ignore[method-assign]
     Supervision.report = reporting  # type: ignore[method-assign]
 
 
