@@ -39,10 +39,12 @@ async def failure(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLos
     interruption = interruption_from(failed, status, workflow.now())
     if interruption.cause == Cause.CHECKPOINT_INVALID:
         interruption.actions.append("marked the checkpoint it was given unusable")
+    elif isinstance(failed, RankFailed):  # its agent is up: also stop the node's other ranks, free its memory
+        await asyncio.gather(
+            replace(run, interruption, failed.node, interruption.line()), calls.release(run.run_id, failed.node)
+        )
     else:
         await replace(run, interruption, failed.node, interruption.line())
-        if isinstance(failed, RankFailed):  # its agent is up: stop the node's other ranks, free its memory
-            await calls.release(run.run_id, failed.node)
     _restart(run, interruption)
 
 

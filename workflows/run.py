@@ -213,14 +213,17 @@ class RunWorkflow:
     async def _start(self) -> Generation:
         status = self.status
         fresh = status.membership is None and not status.reattach
+        if not status.reattach:
+            self.set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
+        # Judging what the last generation left and preparing the nodes do not wait for each other.
+        asked = generation.endpoints(status, fresh_store=not status.reattach)
         if fresh and status.generation > 0:
-            await self._judge_leftovers()
+            status.endpoints, _ = await asyncio.gather(asked, self._judge_leftovers())
+        else:
+            status.endpoints = await asked
         if status.interruptions and status.interruptions[-1].resumed_from is None:
             resume = status.latest_valid_checkpoint()
             status.interruptions[-1].resumed_at(resume.step if resume else 0)
-        if not status.reattach:
-            self.set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
-        status.endpoints = await generation.endpoints(status, fresh_store=not status.reattach)
         started = generation.start(status, self._checkpoint_seconds(), self.checkpoint_steps())
         status.membership, status.reattach = None, False
         return started
