@@ -145,6 +145,7 @@ async def keep_checkpoints(input: KeeperInput) -> KeeperResult:
                 generation=message.generation,
                 blocking_seconds=message.blocking_s,
                 written_at=datetime.now(UTC),
+                last_verified_step=message.last_verified_step,
                 **verdict.model_dump(),
             )
             log.info("checkpoint judged", run_id=input.run_id, step=message.step, validated=verdict.validated)
@@ -178,14 +179,16 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
 
 def _record(path: Path, step: int, generation: int, verdict: Verdict) -> CheckpointRecord:
     try:
-        blocking = max(s.blocking_s for s in read_manifest(path).shards)
+        manifest = read_manifest(path)
+        blocking, last_verified = max(s.blocking_s for s in manifest.shards), manifest.last_verified_step
     except CheckpointError:
-        blocking = 0.0
+        blocking, last_verified = 0.0, 0
     return CheckpointRecord(
         step=step,
         path=str(path),
         generation=generation,
         blocking_seconds=blocking,
+        last_verified_step=last_verified,
         written_at=datetime.fromtimestamp(path.stat().st_mtime, UTC) if path.exists() else datetime.now(UTC),
         **verdict.model_dump(),
     )

@@ -7,13 +7,14 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import Client
 
-from core.fleet import Baseline, Quarantine
+from core.fleet import Baseline, EvictionOutcome, FleetState, Quarantine
 from core.fleet_requests import (
     Acquire,
     Grant,
     MarkSuspect,
     QuarantineNode,
     RecordBaseline,
+    RecordEviction,
     Release,
     TakeSpare,
     fleet_id,
@@ -80,3 +81,16 @@ class FleetActivities:
     @activity.defn
     async def mark_suspect(self, request: MarkSuspect) -> None:
         await self.fleet.execute_update("mark_suspect", request)
+
+    @activity.defn
+    async def eviction_outcomes(self) -> list[EvictionOutcome]:
+        """What the fleet's past straggler evictions did: P(healthy) of the eviction payback."""
+        state: FleetState = await self.fleet.query("state", result_type=FleetState)
+        return list(state.evictions)
+
+    @activity.defn
+    async def record_eviction(self, request: RecordEviction) -> EvictionOutcome:
+        outcome: EvictionOutcome = await self.fleet.execute_update(
+            "record_eviction", request, result_type=EvictionOutcome
+        )
+        return outcome

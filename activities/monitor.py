@@ -3,9 +3,10 @@ runs the detectors (core/detectors.py) on it.
 
 It heartbeats a live summary (step, loss, steps/s, step-time p50/max, slowest rank) and completes
 with a typed event only when the workflow has something to decide: the first step of a generation,
-a hang, a straggler, a slowdown of the whole run, or a stretch of healthy windows for the fleet's
-baseline. History grows with decisions, not steps. Its cursor per node travels in heartbeats and in
-every event, so a monitor restarted on another supervisor worker resumes where the last one stopped.
+a hang, a straggler, a slowdown of the whole run, a failed SDC check, a skipped update, or a
+stretch of healthy windows for the fleet's baseline. History grows with decisions, not steps. Its
+cursor per node travels in heartbeats and in every event, so a monitor restarted on another
+supervisor worker resumes where the last one stopped.
 """
 
 from __future__ import annotations
@@ -21,9 +22,22 @@ from temporalio.exceptions import ApplicationError
 from activities.telemetry import records
 from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
 from core.diagnosis import GpuHealth, Verdict, diagnose
-from core.events import FirstStep, Hang, HealthyWindows, MonitorEvent, MonitorInput, SlowdownFound, StragglerFound
+from core.events import (
+    AnomalyFound,
+    FirstStep,
+    Hang,
+    HealthyWindows,
+    MonitorEvent,
+    MonitorInput,
+    SdcDetected,
+    SlowdownFound,
+    SlownessTally,
+    StragglerFound,
+)
+from core.goodput import straggler_wait
 from core.progress import ProgressTracker, StepVectors
-from core.telemetry import GpuReport, Held, Resumed, StepReport
+from core.run import Progress
+from core.telemetry import Anomaly, Finished, GpuReport, Held, Resumed, SdcCheck, StepReport
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -52,6 +66,9 @@ class _Detectors:
         self.window: list[float] = []  # the current window's step times
         self.healthy: list[float] = []  # medians of consecutive healthy windows, for the fleet's baseline
         self.restored_from: Literal["memory", "storage"] | None = None
+        self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
+        self.next_tally = time.monotonic() + input.tally_s
+        self.finished: set[int] = set()  # ranks that reached the target step and exited cleanly
 
     def verdict(self, node: str) -> Verdict | None:
         """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""
@@ -71,8 +88,13 @@ class _Detectors:
             events.append(self._judge(step, compute, step_s))
         return next((e for e in events if e is not None), None)
 
+    def summary(self) -> Progress:
+        return self.progress.summary().model_copy(update={"straggler_s": self.straggler_s})
+
     def _judge(self, step: int, compute: np.ndarray, step_s: np.ndarray) -> MonitorEvent | None:
-        input, summary = self.input, self.progress.summary
+        input, summary = self.input, self.summary
+        known_slowdown = self.absolute.baseline_median if input.slowdown_known and self.absolute.armed else None
+        self.straggler_s += straggler_wait(compute, float(np.nanmedian(step_s)), input.known_stragglers, known_slowdown)
         for flag in self.relative.observe(step, compute):
             if flag.rank not in input.known_stragglers:
                 self.healthy.clear()
@@ -84,6 +106,7 @@ class _Detectors:
                     ratio=flag.ratio,
                     z=flag.z,
                     verdict=self.verdict(node),
+                    rack=self.gpus[node][0].rack if self.gpus.get(node) else None,
                     progress=summary(),
                     after={},
                 )
@@ -99,6 +122,8 @@ class _Detectors:
                 progress=summary(),
                 after={},
             )
+        if (input.known_stragglers or input.slowdown_known) and time.monotonic() >= self.next_tally:
+            return SlownessTally(progress=summary(), after={})
         return self._window(float(np.nanmedian(step_s)))
 
     def _window(self, step_s: float) -> MonitorEvent | None:
@@ -116,7 +141,7 @@ class _Detectors:
         if len(self.healthy) < self.input.healthy_windows:
             return None
         medians, self.healthy = self.healthy, []
-        return HealthyWindows(medians=medians, progress=self.progress.summary(), after={})
+        return HealthyWindows(medians=medians, progress=self.summary(), after={})
 
 
 @activity.defn
@@ -134,6 +159,12 @@ async def monitor_run(input: MonitorInput) -> MonitorEvent:
                 pass
             elif isinstance(message, Resumed):
                 seen.restored_from = message.source
+            elif isinstance(message, Finished):
+                seen.finished.add(message.rank)
+            elif isinstance(message, SdcCheck) and not message.passed:
+                event = SdcDetected(check=message, progress=seen.summary(), after={})
+            elif isinstance(message, Anomaly):
+                event = AnomalyFound(anomaly=message, progress=seen.summary(), after={})
             elif isinstance(message, StepReport):
                 event = seen.step(message, record.node)
                 completed = seen.progress.step
@@ -142,24 +173,25 @@ async def monitor_run(input: MonitorInput) -> MonitorEvent:
                         step=completed,
                         at=message.at,
                         restored_from=seen.restored_from,
-                        progress=seen.progress.summary(),
+                        progress=seen.summary(),
                         after={},
                     )
             after[record.node] = record.seq
-        if event is None and seen.watchdog.overdue(time.time()):
+        # Ranks that all finished make no more progress, and that is no hang.
+        if event is None and len(seen.finished) < input.world_size and seen.watchdog.overdue(time.time()):
             stalled = time.time() - (seen.watchdog.last_progress_at or time.time())
             event = Hang(
                 step=seen.progress.step,
                 stalled_s=stalled,
                 timeout_s=seen.watchdog.timeout,
                 at=time.time(),
-                progress=seen.progress.summary(),
+                progress=seen.summary(),
                 after={},
             )
         if event is not None:
             return event.model_copy(update={"after": after})
         if time.monotonic() >= next_heartbeat:
-            activity.heartbeat({"after": after, "progress": seen.progress.summary().model_dump()})
+            activity.heartbeat({"after": after, "progress": seen.summary().model_dump()})
             next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
     raise AssertionError("the telemetry stream never ends")
 

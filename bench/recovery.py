@@ -44,12 +44,11 @@ from temporalio.client import Client
 
 from bench.recovery_timeline import Milestones, restart_starts, stayalive_milestones
 from core.faults import Crash
-from core.fleet_requests import fleet_id
 from core.run import RunState
 from core.spec import RunSpec
 from workers.devstack import DevStack, free_port
 from workers.supervisor import connect
-from workflows.fleet import FleetWorkflow
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +97,7 @@ def job_spec(checkpoint_root: Path, crash_step: int, name: str) -> RunSpec:
 
 async def fleet_idle(client: Client, nodes: list[str], timeout: float = 180.0) -> None:
     """Every node registered, usable and in no run: the last trial's quarantined node passed its self-test."""
-    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    fleet = fleet_handle(client)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

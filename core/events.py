@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from core.diagnosis import Verdict
 from core.launch import NodeEndpoint
 from core.run import Progress
+from core.telemetry import Anomaly, SdcCheck
 
 
 class RanksFinished(BaseModel):
@@ -64,6 +65,7 @@ class MonitorInput(BaseModel):
     known_stragglers: list[int] = []
     slowdown_known: bool = False
     healthy_windows: int = 10  # report this many healthy window medians at a time (for the baseline)
+    tally_s: float = 30.0  # how often a known straggler's or slowdown's cost is reported (SlownessTally)
 
 
 class FirstStep(BaseModel):
@@ -97,6 +99,7 @@ class StragglerFound(BaseModel):
     ratio: float
     z: float
     verdict: Verdict | None  # None: no GPU telemetry from the node yet
+    rack: str | None = None  # from the node's GPU telemetry
     progress: Progress
     after: dict[str, int]
 
@@ -123,7 +126,37 @@ class HealthyWindows(BaseModel):
     after: dict[str, int]
 
 
+class SlownessTally(BaseModel):
+    """While a straggler or slowdown is known: what it has cost since the monitor started
+    (`progress.straggler_s`), every `tally_s`. The ledger's straggler loss and the S1→S4 ladder's
+    rent both read it; history grows by one event per tally, and only while something is slow."""
+
+    kind: Literal["tally"] = "tally"
+    progress: Progress
+    after: dict[str, int]
+
+
+class SdcDetected(BaseModel):
+    """A silent-data-corruption check failed: every rank halted before applying the step's update."""
+
+    kind: Literal["sdc"] = "sdc"
+    check: SdcCheck
+    progress: Progress
+    after: dict[str, int]
+
+
+class AnomalyFound(BaseModel):
+    """A step's update was skipped (a non-finite loss or gradient, a gradient spike); training went on."""
+
+    kind: Literal["anomaly"] = "anomaly"
+    anomaly: Anomaly
+    progress: Progress
+    after: dict[str, int]
+
+
 MonitorEvent = Annotated[
-    Union[FirstStep, Hang, StragglerFound, SlowdownFound, HealthyWindows],  # noqa: UP007
+    Union[  # noqa: UP007
+        FirstStep, Hang, StragglerFound, SlowdownFound, HealthyWindows, SlownessTally, SdcDetected, AnomalyFound
+    ],
     Field(discriminator="kind"),
 ]

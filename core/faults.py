@@ -73,6 +73,64 @@ class Slowdown(_Fault):
         return f"every rank {self.factor:g}× slower from step {self.from_step}"
 
 
+class BitFlip(_Fault):
+    """One bit of one element of the rank's gradient flips after backward (a transient SDC)."""
+
+    kind: Literal["bitflip"] = "bitflip"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+    bit: int = Field(default=22, ge=0, le=31)  # 22: the top mantissa bit, a value off by up to half
+
+    def __str__(self) -> str:
+        return f"a bit flips in rank {self.rank}'s gradient at step {self.at_step}"
+
+
+class FlakyRank(_Fault):
+    """The rank's GPU flips a gradient bit with `probability` each step (an intermittent SDC)."""
+
+    kind: Literal["flaky"] = "flaky"
+    rank: int = Field(ge=0)
+    probability: float = Field(gt=0.0, le=1.0)
+    bit: int = Field(default=22, ge=0, le=31)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} flips a gradient bit with probability {self.probability:g} per step"
+
+
+class WrongRank(_Fault):
+    """The rank computes the same wrong answer every time: one activation scaled by 1 + ε."""
+
+    kind: Literal["wrong"] = "wrong"
+    rank: int = Field(ge=0)
+    epsilon: float = Field(default=1e-3, gt=0.0)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} deterministically wrong by {self.epsilon:g}"
+
+
+class NanLoss(_Fault):
+    """The rank's loss of `at_step` is NaN (an overflow, a bad sample): every gradient it yields is too."""
+
+    kind: Literal["nan_loss"] = "nan_loss"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+
+    def __str__(self) -> str:
+        return f"NaN in rank {self.rank}'s loss at step {self.at_step}"
+
+
+class GradSpike(_Fault):
+    """The rank's gradient of `at_step` is `factor`× too large (a loss spike, a corrupted activation)."""
+
+    kind: Literal["grad_spike"] = "grad_spike"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+    factor: float = Field(default=1000.0, gt=1.0)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}'s gradient ×{self.factor:g} at step {self.at_step}"
+
+
 class CorruptCheckpoint(_Fault):
     """Storage damages the checkpoint of `at_step` right after it is committed (bit rot, a torn write,
     a lost file), before validation sees it."""
@@ -201,6 +259,11 @@ Fault = Annotated[
         Hang,
         Straggler,
         Slowdown,
+        BitFlip,
+        FlakyRank,
+        WrongRank,
+        NanLoss,
+        GradSpike,
         CorruptCheckpoint,
         BrokenNode,
         ThermalThrottle,

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel
 
 from core.goodput import Ledger, ledger
+from core.interval import run_mtbf
 from core.run import CheckpointRecord, RunStatus
 
 
@@ -29,6 +30,9 @@ class Health(BaseModel):
     last_checkpoint: CheckpointRecord | None
     checkpoint_interval_s: float | None
     checkpoint_cost_s: float | None  # C: the blocking seconds of the newest validated checkpoint
+    mtbf_s: float  # M: the run's MTBF so far, with the fleet's prior (core.interval.run_mtbf)
+    verified_step: int  # the SDC watermark: the newest step at which a check passed
+    skipped_updates: int  # steps whose update was skipped (a non-finite loss or gradient, a gradient spike)
 
     @classmethod
     def of(cls, status: RunStatus, now: datetime, checkpoint_interval_s: float | None) -> Health:
@@ -51,6 +55,9 @@ class Health(BaseModel):
             last_checkpoint=status.latest_valid_checkpoint(),
             checkpoint_interval_s=checkpoint_interval_s,
             checkpoint_cost_s=valid[-1].blocking_seconds if valid else None,
+            mtbf_s=run_mtbf(status, now),
+            verified_step=status.verified_step,
+            skipped_updates=sum(d.kind in ("nonfinite", "grad_spike") for d in status.detections),
         )
 
 
@@ -65,6 +72,7 @@ def health_table(status: RunStatus, note: str = "") -> str:
         ("nodes", f"{', '.join(status.nodes)} ({status.world_size} ranks)"),
         ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
         ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
+        ("verified (SDC checks)", f"to step {status.verified_step}"),
         ("interruptions", f"{len(status.interruptions)}" + (f" (last: {interruption.line()})" if interruption else "")),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)

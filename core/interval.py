@@ -6,6 +6,8 @@ import math
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from core.paging import failures
+
 if TYPE_CHECKING:
     from core.run import RunStatus
 
@@ -34,12 +36,16 @@ def mtbf(observed_seconds: float, interruptions: int, prior_mtbf: float, prior_w
 
 
 def interval(c: float, m: float, low: float, high: float) -> float:
+    """Daly's interval, clamped to [low, high]: the spec's bounds win over the formula."""
     return min(max(daly(c, m), low), high)
 
 
 def checkpoint_seconds(status: RunStatus, now: datetime) -> float | None:
     """The interval ranks should checkpoint at, in seconds (None: the spec fixes it in steps).
-    `auto` recomputes Daly's interval from the newest measured C and the run's MTBF so far."""
+    `auto` recomputes Daly's interval from the newest measured C and the run's MTBF so far.
+
+    The MTBF counts failures only (a drain, a pause or a rollback was asked for, not suffered) over
+    the time the run could fail: wall-clock less the time it sat idle waiting for a person or nodes."""
     cfg = status.spec.checkpoint
     if cfg.interval.kind == "seconds":
         return cfg.interval.value
@@ -48,8 +54,17 @@ def checkpoint_seconds(status: RunStatus, now: datetime) -> float | None:
     measured = [c.blocking_seconds for c in status.checkpoints if c.validated]
     if not measured or status.started_at is None:
         return cfg.min_interval  # the first checkpoint comes early: it measures C
-    m = mtbf((now - status.started_at).total_seconds(), len(status.interruptions), cfg.prior_mtbf)
-    return interval(measured[-1], m, cfg.min_interval, cfg.max_interval)
+    return interval(measured[-1], run_mtbf(status, now), cfg.min_interval, cfg.max_interval)
+
+
+def run_mtbf(status: RunStatus, now: datetime) -> float:
+    """M: the run's MTBF so far, its failures over the time it could fail (wall-clock less the time it
+    sat idle), with the spec's `prior_mtbf` weighing as one failure."""
+    if status.started_at is None:
+        return status.spec.checkpoint.prior_mtbf
+    idle = sum(i.idle_seconds for i in status.interruptions)
+    exposed = max(0.0, (now - status.started_at).total_seconds() - idle)
+    return mtbf(exposed, len(failures(status.interruptions)), status.spec.checkpoint.prior_mtbf)
 
 
 def checkpoint_steps(status: RunStatus, now: datetime) -> float:

@@ -16,6 +16,8 @@ from core.spec import RunSpec
 # A rank that cannot load the checkpoint it was told to resume from exits with this code, so the
 # workflow marks that checkpoint unusable and resumes from an earlier one.
 EXIT_CHECKPOINT_UNUSABLE = 3
+# A rank that halted at a failed SDC check exits with this code if nobody stops it first.
+EXIT_SDC = 4
 
 
 class Endpoint(BaseModel):
@@ -97,6 +99,7 @@ def supervision_env(
         "STAYALIVE_CONFIG_DIGEST": spec.config_digest,
         "STAYALIVE_CHECKPOINT_DIR": checkpoint_dir,
         "STAYALIVE_FAULTS": "[" + ",".join(f.model_dump_json() for f in spec.faults) + "]",
+        "STAYALIVE_SDC": spec.sdc.model_dump_json(),
     }
     interval = spec.checkpoint.interval
     if interval.kind == "steps":

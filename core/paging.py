@@ -2,7 +2,8 @@
 
 INDEPENDENT failures are restarted silently and reported; CORRELATED ones page a human;
 DETERMINISTIC ones (the same step failing again) stop the run, because restarting cannot fix data
-or code.
+or code. Planned interruptions (a drain, a pause, a rollback) are never failures: they page about
+nothing and count towards no rule.
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ if TYPE_CHECKING:
 
 WINDOW = timedelta(hours=1)
 RATE_FACTOR = 5.0
+# The rate rule also needs this many failures in the window. Two are not a pattern: at the seed's
+# MTBF of 3.1 h, a failure has another within the hour before it 1 − e^(−1/3.1) = 28% of the time,
+# so "2 in an hour > 5 × 0.32/h" would page on more than a quarter of routine failures (critique C5).
+# With three, an independent failure pages when two others fell in its hour: 4.1% at 3.1 h, 1.2% at
+# the 6 h prior MTBF.
+MIN_FAILURES_IN_WINDOW = 3
 GOODPUT_FLOOR = 0.3
+# Cause values (core.run.Cause) of interruptions someone asked for: a person or a detector.
+PLANNED_CAUSES = frozenset({"drain", "pause", "rollback"})
+# A lost node's `step` is the workflow's last known progress (checkpoints, monitor events), not where
+# the node died: two node losses without a completed step between them share it by construction.
+STEP_UNKNOWN_CAUSES = frozenset({"node_lost"})
 
 
 class PagingClass(StrEnum):
@@ -38,34 +50,50 @@ class Classification(BaseModel):
 PLANNED = Classification(paging=PagingClass.INDEPENDENT, rule="planned", evidence="asked for", action="none")
 
 
+def is_planned(interruption: Interruption) -> bool:
+    return interruption.cause in PLANNED_CAUSES
+
+
+def failures(interruptions: list[Interruption]) -> list[Interruption]:
+    """The interruptions nobody asked for: what the MTBF and every paging rule count."""
+    return [i for i in interruptions if not is_planned(i)]
+
+
 def classify(
     history: list[Interruption], latest: Interruption, baseline_mtbf_s: float, goodput_last_hour: float | None
 ) -> Classification:
-    """Classify `latest` against the run's earlier interruptions (`history` excludes it)."""
-    earlier_steps = [i.step for i in history if i.step is not None and i.cause == latest.cause]
-    if latest.step is not None and latest.step in earlier_steps:
+    """Classify `latest` against the run's earlier interruptions (`history` excludes it).
+
+    Rules in order, the first that matches decides: same step twice (DETERMINISTIC), same node twice,
+    failure rate anomaly, goodput collapse (CORRELATED); otherwise INDEPENDENT. `goodput_last_hour`
+    is None when unknown or the run is younger than the window (core.goodput.recent_goodput).
+    """
+    if is_planned(latest):
+        return PLANNED
+    earlier = failures(history)
+    if (same_step := _same_step(earlier, latest)) is not None:
         return Classification(
             paging=PagingClass.DETERMINISTIC,
             rule="same step twice",
-            evidence=f"{latest.cause.value} at step {latest.step} again (also in generation "
-            f"{next(i.generation for i in history if i.step == latest.step)})",
+            evidence=f"{latest.cause.value} at step {latest.step} again (also {same_step.cause.value} in "
+            f"generation {same_step.generation})",
             action="stop the run: a failure that repeats at the same step is data or code, not hardware; "
             "inspect the batch and the code at that step, then resume_from an earlier checkpoint",
         )
-    if latest.node is not None and any(i.node == latest.node for i in history):
+    if latest.node is not None and any(i.node == latest.node for i in earlier):
         return Classification(
             paging=PagingClass.CORRELATED,
             rule="same node twice",
             evidence=f"node {latest.node} failed again after it was quarantined",
             action=f"quarantine is not holding {latest.node} out: check the fleet's quarantine records",
         )
-    recent = [i for i in [*history, latest] if latest.at - i.at <= WINDOW]
-    baseline_per_hour = WINDOW.total_seconds() / baseline_mtbf_s
-    if len(recent) > RATE_FACTOR * baseline_per_hour and len(recent) >= 2:
+    recent = [i for i in [*earlier, latest] if latest.at - i.at <= WINDOW]
+    baseline_per_window = WINDOW.total_seconds() / baseline_mtbf_s
+    if len(recent) > RATE_FACTOR * baseline_per_window and len(recent) >= MIN_FAILURES_IN_WINDOW:
         return Classification(
             paging=PagingClass.CORRELATED,
             rule="failure rate anomaly",
-            evidence=f"{len(recent)} interruptions in the last hour, baseline {baseline_per_hour:.2g}/h",
+            evidence=f"{len(recent)} failures in the last hour, baseline {baseline_per_window:.2g}/h",
             action="look for a shared cause (rack, network, storage, a bad image) before the run burns its budget",
         )
     if goodput_last_hour is not None and goodput_last_hour < GOODPUT_FLOOR:
@@ -81,6 +109,14 @@ def classify(
         evidence="no pattern with earlier interruptions",
         action="restarted automatically; listed in the daily digest",
     )
+
+
+def _same_step(earlier: list[Interruption], latest: Interruption) -> Interruption | None:
+    """The earlier failure at the step `latest` failed at, whatever its cause (a poisoned batch may
+    crash one generation and hang the next); None when either step is unknown or only approximate."""
+    if latest.step is None or latest.cause in STEP_UNKNOWN_CAUSES:
+        return None
+    return next((i for i in earlier if i.step == latest.step and i.cause not in STEP_UNKNOWN_CAUSES), None)
 
 
 def environmental(ratio: float, evidence: str) -> Classification:

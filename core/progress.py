@@ -47,7 +47,7 @@ class ProgressTracker:
             (s0, t0), (s1, t1) = self._completions[0], self._completions[-1]
             rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
         slowest = max(self.last.values(), key=lambda r: r.compute_s, default=None)
-        losses = [r.loss for r in self.last.values()]
+        losses = [r.loss for r in self.last.values() if r.loss is not None]
         return Progress(
             step=self.step,
             loss=statistics.fmean(losses) if losses else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from core.events import NodeLost, RankFailed
-from core.launch import EXIT_CHECKPOINT_UNUSABLE
+from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from core.run import Cause, CheckpointRecord, Interruption, RunStatus
 
 
@@ -21,6 +21,19 @@ def interruption_from(failure: RankFailed | NodeLost, status: RunStatus, now: da
             node=failure.node,
             step=status.progress.step,
             detail=failure.detail,
+        )
+    if failure.exit_code == EXIT_SDC:  # its check's report never reached the monitor: trust only what checkpoints said
+        marked = mark_suspect(status.checkpoints, status.generation, status.verified_step)
+        return Interruption(
+            at=datetime.fromtimestamp(failure.at, UTC),
+            generation=status.generation,
+            detected_by="rank halted at a failed SDC check (its report was lost)",
+            cause=Cause.SDC,
+            node=failure.node,
+            rank=failure.rank,
+            step=failure.last_step,
+            detail=f"exit code {failure.exit_code}" + last_line(failure.log_tail),
+            actions=[f"marked {len(marked)} checkpoints after step {status.verified_step} suspect"],
         )
     unusable = failure.exit_code == EXIT_CHECKPOINT_UNUSABLE and status.generation > 0
     if unusable and (resume := status.latest_valid_checkpoint()) is not None:
@@ -45,6 +58,23 @@ def supersede(checkpoints: list[CheckpointRecord], step: int) -> list[Checkpoint
         record.validated = False
         record.reason = f"superseded: the run was sent back to step {step}"
     return later
+
+
+def mark_suspect(checkpoints: list[CheckpointRecord], generation: int, watermark: int) -> list[CheckpointRecord]:
+    """A failed SDC check in `generation`: what that generation and earlier ones wrote after the last
+    passing check (`watermark`) may hold corrupted state. None of it may be resumed from."""
+    later = [c for c in checkpoints if c.generation <= generation and c.step > watermark and not c.suspect]
+    for record in later:
+        record.suspect, record.verified = True, False
+        record.reason = f"suspect: written after step {watermark}, the last passing SDC check before a failed one"
+    return later
+
+
+def verify(checkpoints: list[CheckpointRecord], watermark: int) -> None:
+    """A check passed at `watermark`: every resumable checkpoint up to it is verified."""
+    for record in checkpoints:
+        if record.step <= watermark and record.validated and not record.suspect:
+            record.verified = True
 
 
 def last_line(text: str) -> str:

@@ -23,15 +23,18 @@ def to_delete(
     sdc_check_steps: float,
     checkpoint_steps: float,
 ) -> list[CheckpointRecord]:
-    """Checkpoints retention no longer needs: invalid ones, and valid ones past the newest `keep_count`
-    that are not milestones. A checkpoint still being validated is never among them."""
+    """Checkpoints retention no longer needs: invalid and SDC-suspect ones, and valid ones past the
+    newest `keep_count` that are neither milestones nor the newest verified one (the ancestor an SDC
+    rollback needs, however far back the last passing check was). A checkpoint still being
+    validated is never among them."""
     alive = [c for c in checkpoints if not c.deleted]
-    valid = sorted((c for c in alive if c.validated), key=lambda c: (c.step, c.generation))
+    valid = sorted((c for c in alive if c.validated and not c.suspect), key=lambda c: (c.step, c.generation))
     keep = {id(c) for c in valid[-keep_count(sdc_check_steps, checkpoint_steps) :]}
+    keep |= {id(c) for c in [c for c in valid if c.verified][-1:]}
     windows: set[int] = set()
     for c in sorted((c for c in checkpoints if c.validated), key=lambda c: c.written_at):
         window = int((c.written_at - started_at).total_seconds() // MILESTONE_SECONDS)
         if window not in windows:  # the first valid checkpoint of each six-hour window
             windows.add(window)
             keep.add(id(c))
-    return [c for c in alive if c.validated is False or (c.validated and id(c) not in keep)]
+    return [c for c in alive if c.validated is False or c.suspect or (c.validated and id(c) not in keep)]

@@ -8,10 +8,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from core.escalation import Escalation
+from core.eviction import Eviction
 from core.goodput import Ledger
 from core.launch import Membership, NodeEndpoint
 from core.paging import Classification
 from core.spec import RunSpec
+from core.telemetry import SdcCheck
 
 
 class RunState(StrEnum):
@@ -41,6 +44,7 @@ class Cause(StrEnum):
     DRAIN = "drain"  # planned: a node taken out by a person or a detector
     PAUSE = "pause"
     ROLLBACK = "rollback"  # resume_from: a person sent the run back to an earlier checkpoint
+    SDC = "sdc"  # a silent-data-corruption check failed: the run rolls back to a verified checkpoint
 
 
 class Interruption(BaseModel):
@@ -65,6 +69,7 @@ class Interruption(BaseModel):
     artifacts: list[str] = []  # files to read: the stack dumps of a hang
     paging: Classification | None = None
     idle_seconds: float = 0.0  # waiting for a person or for nodes (in goodput: idle, not recovery)
+    sdc_check: SdcCheck | None = None  # the failed check: method, culprit, measured difference, tolerance
 
     def resumed_at(self, step: int) -> None:
         self.resumed_from = step
@@ -77,13 +82,14 @@ class Interruption(BaseModel):
 
 
 class Detection(BaseModel):
-    """Something slow that interrupted nothing: a straggler (relative) or a slowdown (absolute)."""
+    """Something that interrupted nothing: a straggler (relative), a slowdown (absolute), or a step
+    whose update was skipped (a non-finite loss or gradient, a gradient spike)."""
 
     at: datetime
     generation: int
-    kind: Literal["straggler", "slowdown"]
+    kind: Literal["straggler", "slowdown", "nonfinite", "grad_spike"]
     step: int
-    ratio: float
+    ratio: float | None = None  # how much slower (stragglers and slowdowns)
     node: str | None = None
     rank: int | None = None
     diagnosis: str | None = None
@@ -102,6 +108,15 @@ class CheckpointRecord(BaseModel):
     reason: str = ""
     param_norm: float | None = None
     deleted: bool = False  # dropped by retention (its record stays)
+    # SDC: the newest step at which a check had passed when it was written; `verified` once a check
+    # passed at or after its step; `suspect` when a failed check puts it after the last passing one.
+    last_verified_step: int = 0
+    verified: bool = False
+    suspect: bool = False
+
+    @property
+    def resumable(self) -> bool:
+        return bool(self.validated) and not self.suspect and not self.deleted
 
 
 class Progress(BaseModel):
@@ -114,6 +129,9 @@ class Progress(BaseModel):
     step_seconds_max: float = 0.0
     slowest_rank: int | None = None
     at: float = 0.0
+    # Seconds the barrier waited on slowness since this monitor started (core.goodput.straggler_wait):
+    # the workflow adds each event's share to RunStatus.straggler_seconds.
+    straggler_s: float = 0.0
 
 
 class RunStatus(BaseModel):
@@ -141,6 +159,10 @@ class RunStatus(BaseModel):
     detections: list[Detection] = []
     baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
     checkpoints: list[CheckpointRecord] = []
+    straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's events
+    escalation: Escalation | None = None  # the straggler being escalated S1 → S4, if any
+    evictions: list[Eviction] = []  # this run's straggler evictions (spacing, one per rack without a person)
+    verified_step: int = 0  # the SDC watermark: the newest step at which a check passed, as checkpoints reported
     command_seq: int = 0
     failure: str = ""
 
@@ -153,8 +175,7 @@ class RunStatus(BaseModel):
         return len(self.nodes) * self.spec.ranks_per_node
 
     def latest_valid_checkpoint(self) -> CheckpointRecord | None:
-        valid = [c for c in self.checkpoints if c.validated]
-        return max(valid, key=lambda c: c.step, default=None)
+        return max((c for c in self.checkpoints if c.resumable), key=lambda c: c.step, default=None)
 
 
 class RunResult(BaseModel):

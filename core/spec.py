@@ -11,7 +11,7 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
 from core.faults import Fault
 
@@ -99,8 +99,27 @@ class CheckpointSpec(_Spec):
 
 
 class SdcSpec(_Spec):
-    # Every N steps one rank replays its micro-batch and compares bitwise (seed R3, R6 change 3).
+    """Silent data corruption checks (seed 003 §7 failure 3, R3, R6)."""
+
+    enabled: bool = True  # off: no invariants, replays or cross-checks (what bench/sdc.py compares against)
+    # Every N steps one rank (rotating) replays its micro-batch and compares bitwise: R6 change 3 buys
+    # the 1% of compute that keeps every checkpoint but the newest verified.
     self_check_every: int = Field(default=100, ge=1)
+    # Every ~10N steps two ranks compute the same micro-batch (R3: catches a deterministically wrong GPU).
+    cross_check_every: int = Field(default=1000, ge=1)
+    # The largest relative gradient difference two healthy ranks may show; "auto": 5 × the spread the
+    # ranks show on one calibration batch at start-up, at least 1e-6.
+    cross_check_tolerance: Literal["auto"] | float = "auto"
+    grad_spike_factor: float = Field(default=10.0, gt=1.0)  # × the running p99 of the gradient norm
+
+
+class PagingSpec(_Spec):
+    """Where pages go besides the structured log (seed 003 R5). Every interruption is written to the
+    JSONL file, the independent ones too: that file is the daily digest. Only CORRELATED and
+    DETERMINISTIC pages go to the webhook."""
+
+    jsonl: str | None = None  # a path on the supervisor worker's host
+    webhook: HttpUrl | None = None  # receives each page as a JSON POST, retried; never blocks the run
 
 
 class HealthSpec(_Spec):
@@ -108,6 +127,8 @@ class HealthSpec(_Spec):
     straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (seed 003 §7)
     straggler_steps: int = Field(default=20, ge=1)  # ... for this many consecutive steps
     baseline_windows: int = Field(default=10, ge=1)  # healthy 50-step windows reported to the fleet at a time
+    # How often a known straggler's or slowdown's cost so far reaches the workflow (the goodput ledger).
+    slowness_tally: Seconds = 30.0
     # How long a node agent may stay silent before its node counts as dead.
     node_heartbeat_timeout: Seconds = 15.0
 
@@ -133,6 +154,7 @@ class RunSpec(_Spec):
     checkpoint: CheckpointSpec
     health: HealthSpec = HealthSpec()
     sdc: SdcSpec = SdcSpec()
+    paging: PagingSpec = PagingSpec()
     max_restarts: int = Field(default=100, ge=0)
     faults: list[Fault] = []
 

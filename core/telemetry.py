@@ -34,7 +34,7 @@ class StepReport(_Message):
     step: int
     compute_s: float
     step_s: float
-    loss: float
+    loss: float | None  # None: not finite (the step's update was skipped)
     samples: list[int]
     at: float
 
@@ -49,6 +49,7 @@ class CheckpointCommitted(_Message):
     step: int
     path: str
     blocking_s: float
+    last_verified_step: int = 0  # the newest step at which an SDC check had passed (the watermark)
 
 
 class Resumed(_Message):
@@ -87,6 +88,35 @@ class Finished(_Message):
     step: int
 
 
+class SdcCheck(_Message):
+    """The outcome of one silent-data-corruption check (training/sdc.py). A failed one names the
+    culprit rank and the newest step at which a check had passed: the rollback's watermark."""
+
+    t: Literal["sdc"] = "sdc"
+    rank: int  # who reports it: the replaying rank (self), rank 0 (cross)
+    generation: int
+    step: int
+    method: Literal["self", "cross"]
+    passed: bool
+    culprit: int | None = None
+    difference: float | None = None  # cross: ‖g_a − g_b‖ / ‖g_a‖ for the same micro-batch
+    tolerance: float | None = None
+    last_verified: int = 0  # the newest step before this one at which a check passed
+    detail: str = ""
+
+
+class Anomaly(_Message):
+    """A step whose update was skipped: a non-finite loss or gradient on this rank, or a gradient
+    norm far above the run's running p99."""
+
+    t: Literal["anomaly"] = "anomaly"
+    rank: int
+    generation: int
+    step: int
+    kind: Literal["nonfinite", "grad_spike"]
+    detail: str
+
+
 class RankExited(_Message):
     """Written by the node agent itself when it reaps a rank process."""
 
@@ -98,7 +128,9 @@ class RankExited(_Message):
 
 
 RankMessage = Annotated[
-    Union[Hello, StepReport, CheckpointCommitted, Resumed, Held, GpuReport, Finished, RankExited],  # noqa: UP007
+    Union[  # noqa: UP007
+        Hello, StepReport, CheckpointCommitted, Resumed, Held, GpuReport, Finished, RankExited, SdcCheck, Anomaly
+    ],
     Field(discriminator="t"),
 ]
 rank_message = TypeAdapter(RankMessage)
@@ -106,11 +138,13 @@ rank_message = TypeAdapter(RankMessage)
 
 class Command(_Message):
     """A control command for every rank of a run. Ranks agree on the step at which they act on it:
-    `checkpoint` now; `hold` (finish the step, checkpoint, then wait for a Rejoin); `exit`."""
+    `checkpoint` now; `hold` (finish the step, checkpoint, then wait for a Rejoin); `exit`;
+    `rebalance` (split the global batch by `speeds`, one relative speed per rank: escalation S2)."""
 
     t: Literal["command"] = "command"
     seq: int = Field(ge=1)
-    kind: Literal["checkpoint", "hold", "exit"]
+    kind: Literal["checkpoint", "hold", "exit", "rebalance"]
+    speeds: list[float] = []
 
 
 class Rejoin(_Message):

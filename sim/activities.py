@@ -24,16 +24,17 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
-from activities.fleet import Replace, Replacement
-from activities.node import NodeCommand, PrepareNode
+from activities.fleet import RecordWindows, Replace, Replacement
+from activities.node import NodeCommand, NodeStacks, PrepareNode
+from activities.paging import deliver_webhook, page
 from activities.selftest import SelfTestInput
 from core.events import FirstStep, MonitorEvent, MonitorInput, NodeOutcome
-from core.fleet import SelfTestResult
+from core.fleet import EvictionOutcome, SelfTestResult
+from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch
 from core.run import CheckpointRecord
 from core.telemetry import Held
 from sim.cluster import CURSOR, SimulatedCluster, SimulatedGeneration
-from workflows.fleet import Acquire, Grant, Release, TakeSpare
 
 HEARTBEAT_SECONDS = 0.05
 HUB_PORT = 7000  # endpoints name the simulated node; nothing connects to them
@@ -49,7 +50,14 @@ class SimulatedNode:
         self.ranks: dict[str, list[int]] = {}  # run → the ranks this node runs now
 
     def activities(self) -> list[Callable[..., Any]]:
-        return [self.prepare_node, self.run_ranks, self.release_run, self.send_command, self.self_test]
+        return [
+            self.prepare_node,
+            self.run_ranks,
+            self.release_run,
+            self.send_command,
+            self.dump_stacks,
+            self.self_test,
+        ]
 
     @activity.defn(name="prepare_node")
     async def prepare_node(self, request: PrepareNode) -> NodeEndpoint:
@@ -74,6 +82,10 @@ class SimulatedNode:
     async def send_command(self, request: NodeCommand) -> int:
         return len(self.ranks.get(request.run_id, []))
 
+    @activity.defn(name="dump_stacks")
+    async def dump_stacks(self, run_id: str) -> NodeStacks:
+        raise ApplicationError("the simulator does not model hangs yet: no stacks to dump", non_retryable=True)
+
     @activity.defn(name="self_test")
     async def self_test(self, input: SelfTestInput) -> SelfTestResult:
         checks = {"gemm": True, "repeatability": True, "collective": True}
@@ -96,6 +108,13 @@ class SimulatedSupervisor:
             self.replace_node,
             self.take_spare,
             self.release_nodes,
+            self.baseline,
+            self.record_baseline,
+            self.mark_suspect,
+            self.eviction_outcomes,
+            self.record_eviction,
+            page,  # the real ones: a page goes to the log and, where the spec names them, a file and a webhook
+            deliver_webhook,
         ]
 
     @activity.defn(name="monitor_run")
@@ -153,6 +172,31 @@ class SimulatedSupervisor:
     @activity.defn(name="release_nodes")
     async def release_nodes(self, request: Release) -> list[str]:
         return self.cluster.release(request.run_id)
+
+    @activity.defn(name="baseline")
+    async def baseline(self, config_digest: str) -> list[float]:
+        return list(self.cluster.baselines.get(config_digest, []))
+
+    @activity.defn(name="record_baseline")
+    async def record_baseline(self, request: RecordWindows) -> int:
+        self.cluster.baselines.setdefault(request.config_digest, []).extend(request.medians)
+        return len(request.medians)
+
+    @activity.defn(name="mark_suspect")
+    async def mark_suspect(self, request: MarkSuspect) -> None:
+        self.cluster.suspects.append((request.node, request.reason))
+
+    @activity.defn(name="eviction_outcomes")
+    async def eviction_outcomes(self) -> list[EvictionOutcome]:
+        return list(self.cluster.evictions)
+
+    @activity.defn(name="record_eviction")
+    async def record_eviction(self, request: RecordEviction) -> EvictionOutcome:
+        outcome = EvictionOutcome(
+            node=request.node, run_id=request.run_id, at=datetime.now(UTC), resolved=request.resolved
+        )
+        self.cluster.evictions.append(outcome)
+        return outcome
 
 
 async def launched(cluster: SimulatedCluster, run_id: str, number: int) -> SimulatedGeneration:

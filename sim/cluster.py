@@ -22,12 +22,12 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from core.events import RankFailed, RanksFinished
-from core.fleet import Quarantine
+from core.fleet import EvictionOutcome, Quarantine
+from core.fleet_requests import Grant
 from core.launch import NodeLaunch
 from core.run import CheckpointRecord, Progress
 from training.checkpoint import checkpoint_dirname, checkpoint_order
 from training.supervision import SupervisionConfig
-from workflows.fleet import Grant
 
 # The key of the checkpoint cursor: the sequence number of the last checkpoint the workflow recorded.
 CURSOR = "sim"
@@ -157,6 +157,9 @@ class SimulatedCluster:
         self.nodes = list(nodes)
         self.holders: dict[str, str | None] = dict.fromkeys(nodes)  # node → the run holding it
         self.quarantines: list[Quarantine] = []
+        self.suspects: list[tuple[str, str]] = []  # (node, reason), as detectors flagged them
+        self.evictions: list[EvictionOutcome] = []  # what the fleet learned of straggler evictions
+        self.baselines: dict[str, list[float]] = {}  # config digest → healthy window medians
         self.changed = asyncio.Event()
         self._runs: dict[str, _Run] = {}
 

@@ -7,16 +7,18 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import torch
 from temporalio.client import Client, WorkflowHandle
 
 from core.fleet import FleetNode
-from core.fleet_requests import fleet_id
-from core.run import RunStatus
+from core.run import CheckpointRecord, RunStatus
 from core.spec import RunSpec
 from core.telemetry import Record, StepReport, Subscribe
-from workflows.fleet import FleetWorkflow
+from training.checkpoint import load_checkpoint
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +152,7 @@ async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str
 
 
 async def fleet_nodes(client: Client) -> dict[str, FleetNode]:
-    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    fleet = fleet_handle(client)
     return {n.id: n for n in await fleet.query(FleetWorkflow.nodes)}
 
 
@@ -162,3 +164,41 @@ async def wait_for_fleet(
         if time.monotonic() > deadline:
             raise TimeoutError(f"fleet condition not reached in {timeout}s: {await fleet_nodes(client)}")
         await asyncio.sleep(0.3)
+
+
+REFERENCE_STEPS = 60  # the length of the reference run (tests/e2e/conftest.py) that interrupted runs compare with
+
+
+def final_state(checkpoints: list[CheckpointRecord], step: int = REFERENCE_STEPS) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the run's validated checkpoint of `step`."""
+    final = next(c for c in checkpoints if c.step == step and c.validated)
+    _, tensors = load_checkpoint(Path(final.path))
+    return {name: t for name, t in tensors.items() if name.startswith(("model/", "optim/"))}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+class Webhook:
+    """A real HTTP receiver on 127.0.0.1: records each POST and answers with `status`."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.status = 200
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.received.append((dict(self.headers), body))
+                self.send_response(hook.status)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/page"

@@ -49,6 +49,7 @@ class Manifest(BaseModel):
     config_digest: str
     created_at: float
     samples_consumed: int
+    last_verified_step: int = 0  # the newest step at which an SDC check had passed when this was written
     model: dict[str, int]
     optimizer_param_groups: list[dict[str, object]]
     shards: list[ShardRecord]

@@ -68,6 +68,7 @@ class _Staged:
     tensors: dict[str, torch.Tensor]
     param_groups: list[dict[str, object]]
     python_rng: tuple[int, list[int], float | None]
+    last_verified: int
     blocking_s: float = 0.0
 
 
@@ -112,6 +113,7 @@ class Checkpointer:
             tensors={n: self._buffers[n] for n in mine},
             param_groups=state.param_groups(),
             python_rng=python_rng(),
+            last_verified=state.last_verified,
         )
         staged.blocking_s = time.perf_counter() - started
         # The writer thread logs with this thread's run_id/node/rank/step context.
@@ -181,6 +183,7 @@ class Checkpointer:
             config_digest=self.identity.config_digest,
             created_at=time.time(),
             samples_consumed=staged.step * self.identity.global_batch,
+            last_verified_step=staged.last_verified,
             model=self.identity.model,
             optimizer_param_groups=staged.param_groups,
             shards=shards,

@@ -48,9 +48,15 @@ class SampleStream:
         self.seed = seed
         self.windows = len(corpus.tokens) - block_size - 1
 
-    def positions(self, step: int, rank: int, world_size: int) -> list[int]:
+    def positions(self, step: int, rank: int, world_size: int, split: list[int] | None = None) -> list[int]:
+        """`rank`'s share of step `step`: every `world_size`-th position, or, with a `split` (samples
+        per rank, summing to the global batch: a rebalanced step), a contiguous run of its size. The
+        step's positions are the same either way, so the data order never depends on the split."""
         first = (step - 1) * self.global_batch
-        return list(range(first + rank, first + self.global_batch, world_size))
+        if split is None:
+            return list(range(first + rank, first + self.global_batch, world_size))
+        start = first + sum(split[:rank])
+        return list(range(start, start + split[rank]))
 
     def offset(self, position: int) -> int:
         digest = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()

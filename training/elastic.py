@@ -21,7 +21,9 @@ def state_from_rank0(state: TrainState, rank: int) -> None:
     """Every rank ends with rank 0's model, optimizer state and step; newcomers get fresh RNG streams."""
     if rank == 0:
         blob = save({name: t.detach().clone() for name, t in state.tensors().items()})  # clone: tied weights
-        meta = json.dumps({"step": state.step, "param_groups": state.param_groups()}).encode()
+        meta = json.dumps(
+            {"step": state.step, "last_verified": state.last_verified, "param_groups": state.param_groups()}
+        ).encode()
         sizes = torch.tensor([len(blob), len(meta)], dtype=torch.int64)
     else:
         sizes = torch.zeros(2, dtype=torch.int64)
@@ -37,4 +39,5 @@ def state_from_rank0(state: TrainState, rank: int) -> None:
         data = buffer.numpy().tobytes()
         described = json.loads(data[blob_size:])
         state.load(described["step"], described["param_groups"], load(data[:blob_size]))
+        state.last_verified = described["last_verified"]
         reseed(state.step, rank)

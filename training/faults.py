@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
-from core.faults import CorruptCheckpoint, Crash, Fault, Hang, Slowdown, Straggler
+from core.faults import (
+    BitFlip,
+    CorruptCheckpoint,
+    Crash,
+    Fault,
+    FlakyRank,
+    GradSpike,
+    Hang,
+    NanLoss,
+    Slowdown,
+    Straggler,
+    WrongRank,
+)
 from training.checkpoint import MANIFEST, shard_filename
 
 log = structlog.get_logger()
@@ -20,6 +36,40 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, generation: int) -> None:
         self.rank = rank
         self.faults = [f for f in faults if f.fires_in(generation) and getattr(f, "rank", rank) == rank]
+        self._hooks: list[RemovableHandle] = []
+
+    # -- silent data corruption: wrong numbers, no error ----------------------------------------------
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """A deterministically wrong GPU: the first block's output scaled by 1 + ε on every forward."""
+        for fault in self.faults:
+            if isinstance(fault, WrongRank):
+                block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[0]
+                self._hooks.append(block.register_forward_hook(_scaled_by(1.0 + fault.epsilon)))
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if any(isinstance(f, NanLoss) and f.at_step == step for f in self.faults):
+            log.warning("injected NaN loss")
+            return loss * float("nan")
+        return loss
+
+    def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        """Corrupt this step's gradient as a faulty GPU would (not its replays: a transient fault)."""
+        for fault in self.faults:
+            transient = isinstance(fault, BitFlip) and fault.at_step == step
+            flaky = isinstance(fault, FlakyRank) and random.Random(f"{self.rank}/{step}").random() < fault.probability
+            if isinstance(fault, BitFlip | FlakyRank) and (transient or flaky):
+                _flip_bit(params, step, fault.bit)
+            elif isinstance(fault, GradSpike) and fault.at_step == step:
+                log.warning("injected gradient spike", factor=fault.factor)
+                for param in params:
+                    if param.grad is not None:
+                        param.grad.mul_(fault.factor)
 
     def before_collective(self, step: int, compute_s: float) -> None:
         """After backward, before the gradient all-reduce: where a dying, hanging or slow GPU shows.
@@ -47,6 +97,21 @@ class FaultInjector:
             if isinstance(fault, Crash) and fault.at_step == step and fault.during == during:
                 log.warning("injected crash", during=during, exit_code=fault.exit_code)
                 os._exit(fault.exit_code)
+
+
+def _scaled_by(scale: float) -> Callable[[torch.nn.Module, object, torch.Tensor], torch.Tensor]:
+    return lambda _module, _inputs, output: output * scale
+
+
+def _flip_bit(params: list[torch.nn.Parameter], step: int, bit: int) -> None:
+    """Flip `bit` of one float32 gradient element, chosen by the step (its own RNG: the run's stays untouched)."""
+    grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
+    choice = random.Random(step)
+    grad = grads[choice.randrange(len(grads))]
+    index = choice.randrange(grad.numel())
+    words = grad.view(-1).view(torch.int32)
+    words[index] ^= 1 << bit if bit < 31 else -(1 << 31)
+    log.warning("injected bit flip", bit=bit, element=index, value=float(grad.view(-1)[index]))
 
 
 def _damage(directory: Path, fault: CorruptCheckpoint) -> None:

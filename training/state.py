@@ -23,6 +23,7 @@ class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: int = 0
+    last_verified: int = 0  # the newest step at which an SDC check passed: how far back this state is trusted
 
     def tensors(self) -> dict[str, torch.Tensor]:
         flat = {f"model/{name}": t for name, t in self.model.state_dict().items()}
@@ -36,6 +37,7 @@ class TrainState:
 
     def restore(self, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
         self.load(manifest.step, manifest.optimizer_param_groups, tensors)
+        self.last_verified = manifest.last_verified_step
 
     def load(self, step: int, param_groups: list[dict[str, object]], tensors: dict[str, torch.Tensor]) -> None:
         model = {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}

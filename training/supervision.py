@@ -1,9 +1,10 @@
 """The hooks that make a training loop supervised: telemetry up, agreed control decisions down.
 
 The node agent launches a rank with `STAYALIVE_*` variables; `SupervisionConfig.from_env` reads them.
-Commands reach ranks on different nodes at slightly different times, so after every step all
-ranks take the maximum of what each has seen (one tiny all-reduce): every rank then checkpoints,
-holds or stops at the same step, which is what keeps a checkpoint consistent across ranks.
+Commands reach ranks on different nodes at slightly different times, so every step all ranks pool
+what each has received, in a few extra slots of the gradient all-reduce (no collective of its
+own): every rank then checkpoints, holds or stops at the same step, which is what keeps a
+checkpoint consistent across ranks.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
 from core.faults import Fault
+from core.spec import SdcSpec
 from core.telemetry import Command, Rejoin
 from training import memory
 from training.channel import AgentChannel
 from training.checkpointer import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
-_KINDS = ("checkpoint", "hold", "exit")
+_KINDS = ("checkpoint", "hold", "exit", "rebalance")
+VOTES = len(_KINDS) + 1  # the slots `Supervision.votes` adds to the gradient all-reduce
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class SupervisionConfig:
     resume_from: Path | None = None
     state_from_rank0: bool = False  # this generation has newcomers: rank 0 hands everyone the live state
     faults: list[Fault] = field(default_factory=list)
+    sdc: SdcSpec = field(default_factory=SdcSpec)
     memory_dir: Path | None = None
     hubs: list[str] = field(default_factory=list)  # every node's agent, in node order
 
@@ -66,6 +70,7 @@ class SupervisionConfig:
             resume_from=Path(env["STAYALIVE_RESUME_FROM"]) if env.get("STAYALIVE_RESUME_FROM") else None,
             state_from_rank0=env.get("STAYALIVE_STATE_FROM_RANK0") == "1",
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
+            sdc=SdcSpec.model_validate_json(env.get("STAYALIVE_SDC", "{}")),
             memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,
             hubs=json.loads(env.get("STAYALIVE_HUBS", "[]")),
         )
@@ -86,6 +91,7 @@ class Decision:
     checkpoint: bool
     hold: bool
     stop: bool
+    speeds: list[float] | None = None  # rebalance from the next step on, by these relative speeds
 
 
 class Supervision:
@@ -96,35 +102,61 @@ class Supervision:
         self.rank = rank
         self.world_size = world_size
         self.channel = channel
-        self._seen = dict.fromkeys(_KINDS, 0)  # highest command seq received, per kind
-        self._acted = dict.fromkeys(_KINDS, 0)  # highest command seq all ranks acted on
+        self._seqs: set[int] = set()  # of the commands received: a retried delivery is not a new command
+        self._seen = dict.fromkeys(_KINDS, 0)  # commands received, per kind
+        self._acted = dict.fromkeys(_KINDS, 0)  # commands all ranks acted on, per kind
         self._last_checkpoint = time.monotonic()
+        self._speeds: list[float] = []  # of the newest rebalance command received
 
-    def decide(self, step: int) -> Decision:
-        """After `step`, agree with every rank whether to checkpoint now, hold, or stop."""
+    def votes(self) -> torch.Tensor:
+        """This rank's vote, to ride the gradient all-reduce (SUM): how many commands of each kind it has
+        received, and whether its checkpoint clock is due. Riding it costs no collective."""
         if self.channel is not None:
             for message in self.channel.received():
-                if isinstance(message, Command):
-                    self._seen[message.kind] = max(self._seen[message.kind], message.seq)
+                if isinstance(message, Command) and message.seq not in self._seqs:
+                    self._seqs.add(message.seq)
+                    self._seen[message.kind] += 1
+                    self._speeds = message.speeds if message.kind == "rebalance" else self._speeds
         every = self.config.every_seconds
         due_by_time = every is not None and time.monotonic() - self._last_checkpoint >= every
-        votes = torch.tensor([*(self._seen[k] for k in _KINDS), int(due_by_time)], dtype=torch.int64)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        checkpoint_seq, hold_seq, exit_seq, due = (int(v) for v in votes)
+        return torch.tensor([*(self._seen[k] for k in _KINDS), float(due_by_time)])
+
+    def decide(self, step: int, votes: torch.Tensor) -> Decision:
+        """After `step`, from every rank's `votes` summed: checkpoint now, hold, stop, rebalance.
+
+        Commands reach ranks at different times, so a kind has news when its summed counts exceed
+        what all ranks acted on (W × acted): one rank's sighting is enough, and every rank sees the
+        same sum, so all act at this step. Afterwards `acted` is the sum's ceiling share (at most the
+        largest count): the same command seen later by the others is not news again, a newer one is,
+        and no command is acted on more often than commands were sent."""
+        world = self.world_size
+        sums = {kind: round(float(v)) for kind, v in zip(_KINDS, votes[: len(_KINDS)], strict=True)}
+        news = {kind: sums[kind] > world * self._acted[kind] for kind in _KINDS}
         every_steps = self.config.every_steps
-        hold = hold_seq > self._acted["hold"]
         checkpoint = (
-            hold
-            or checkpoint_seq > self._acted["checkpoint"]
-            or bool(due)
+            news["hold"]
+            or news["checkpoint"]
+            or float(votes[-1]) > 0
             or (every_steps is not None and step % every_steps == 0)
             or step == self.config.target_step
         )
-        stop = exit_seq > self._acted["exit"]
-        self._acted = {"checkpoint": checkpoint_seq, "hold": hold_seq, "exit": exit_seq}
+        speeds = self._agree_on_speeds() if news["rebalance"] else None
+        self._acted = {kind: -(-sums[kind] // world) if news[kind] else self._acted[kind] for kind in _KINDS}
         if checkpoint:
             self._last_checkpoint = time.monotonic()
-        return Decision(checkpoint=checkpoint, hold=hold, stop=stop)
+        return Decision(checkpoint=checkpoint, hold=news["hold"], stop=news["exit"], speeds=speeds)
+
+    def _agree_on_speeds(self) -> list[float]:
+        """A rebalance carries a payload that ranks which have not received it yet cannot vote on (rare:
+        two small collectives). The newest rebalance any rank has received wins (the most received);
+        the ranks that have it contribute its (positive) speeds, the rest zeros; the MAX is its."""
+        newest = torch.tensor([self._seen["rebalance"]], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        speeds = torch.zeros(self.world_size, dtype=torch.float64)
+        if self._seen["rebalance"] == int(newest) and len(self._speeds) == self.world_size:
+            speeds[:] = torch.tensor(self._speeds, dtype=torch.float64)
+        dist.all_reduce(speeds, op=dist.ReduceOp.MAX)
+        return [float(s) for s in speeds]
 
     def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:
         """Holding: wait for the next generation's membership; None means exit (told to, or nobody called)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
+import math
 import os
 import signal
 import sys
@@ -25,7 +27,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from core.launch import EXIT_CHECKPOINT_UNUSABLE
+from core.escalation import rebalance
+from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport
 from training.channel import AgentChannel
 from training.checkpoint import CheckpointError, Manifest, within_root
@@ -36,8 +39,9 @@ from training.faults import FaultInjector
 from training.gpt import GPT, PRESETS, GPTConfig
 from training.logs import configure_logging
 from training.restore import restore
+from training.sdc import FLAGS, SdcGuard, flat_grads, set_grads
 from training.state import TrainState, restore_rng
-from training.supervision import Supervision, SupervisionConfig
+from training.supervision import VOTES, Supervision, SupervisionConfig
 
 log = structlog.get_logger()
 
@@ -45,6 +49,7 @@ log = structlog.get_logger()
 class Outcome(Enum):
     DONE = "done"  # reached the target step, or told to stop
     HELD = "held"  # checkpointed at an agreed step and waiting for the next generation
+    HALTED = "halted"  # an SDC check failed: the state is suspect, the workflow rolls the run back
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,40 +70,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)  # SUM: each rank's loss is already its share of the global mean
-    for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(reduced.view_as(grad))
-
-
 def train(
     state: TrainState,
     stream: SampleStream,
     supervision: Supervision,
     checkpointer: Checkpointer,
     faults: FaultInjector,
+    guard: SdcGuard,
     device_s: float = 0.0,
 ) -> Outcome:
     rank, world_size, generation = supervision.rank, supervision.world_size, supervision.config.generation
     params = list(state.model.parameters())
+    split: list[int] | None = None  # samples per rank once rebalanced (escalation S2); None: even
+
+    def backward(step: int, of_rank: int, *, replay: bool) -> torch.Tensor:
+        """Forward and backward of `of_rank`'s micro-batch of `step` into fresh gradients; returns
+        this rank's share of the loss. Replays (the SDC checks) see no injected fault. Each sample's
+        loss is divided by the global batch, whoever computes it, so the summed gradient is the
+        global mean however the batch is split."""
+        state.optimizer.zero_grad(set_to_none=True)
+        positions = stream.positions(step, of_rank, world_size, split)
+        inputs, targets = stream.batch(positions)
+        loss = state.model(inputs, targets).sum() / stream.global_batch
+        if not replay:
+            loss = faults.loss(step, loss)
+        loss.backward()
+        if device_s:  # an accelerator's time grows with the samples it computes
+            time.sleep(device_s * len(positions) * world_size / stream.global_batch)
+        if not replay:
+            faults.after_backward(step, params)
+        return loss.detach()
+
+    guard.calibrate(params, lambda r: backward(state.step + 1, r, replay=True))
     for step in range(state.step + 1, supervision.config.target_step + 1):
         structlog.contextvars.bind_contextvars(step=step)
         started = time.perf_counter()
-        positions = stream.positions(step, rank, world_size)
-        inputs, targets = stream.batch(positions)
-        per_sample = state.model(inputs, targets)
-        (per_sample.sum() / stream.global_batch).backward()
-        if device_s:
-            time.sleep(device_s)
+        loss = backward(step, rank, replay=False)
+        checks = guard.checks(step, params, functools.partial(backward, step, replay=True))
         faults.before_collective(step, time.perf_counter() - started)
         compute_s = time.perf_counter() - started
-        all_reduce_gradients(params)
-        state.optimizer.step()
+        # One flat all-reduce (SUM: each rank's loss is already its share of the global mean) that
+        # also carries the SDC flags and the control vote, so agreeing on them costs no collective.
+        grads = flat_grads(params)
+        mine = guard.flags(loss, grads, checks)
+        flat = torch.cat([grads, mine, supervision.votes()])
+        dist.all_reduce(flat)
+        reduced, flags, votes = flat.split([grads.numel(), FLAGS, VOTES])
+        set_grads(params, reduced)
+        verdict = guard.judge(step, mine, flags, reduced, checks)
+        if verdict.apply:
+            state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
+        state.last_verified = guard.last_verified
+        if verdict.skipped:
+            log.warning("update skipped", why=verdict.skipped)
+        for report in verdict.reports:
+            supervision.report(report)
+        if verdict.failed is not None:
+            log.error("silent data corruption", culprit=verdict.failed.culprit, detail=verdict.failed.detail)
+            return Outcome.HALTED
         state.step = step
-        decision = supervision.decide(step)
+        decision = supervision.decide(step, votes)
+        positions = stream.positions(step, rank, world_size, split)
+        share = loss.item() * stream.global_batch / len(positions)  # the mean loss of this rank's samples
         supervision.report(
             StepReport(
                 rank=rank,
@@ -106,11 +140,14 @@ def train(
                 step=step,
                 compute_s=compute_s,
                 step_s=time.perf_counter() - started,
-                loss=per_sample.mean().item(),
+                loss=share if math.isfinite(share) else None,
                 samples=positions,
                 at=time.time(),
             )
         )
+        if decision.speeds is not None:
+            split = rebalance(decision.speeds, stream.global_batch)
+            log.info("rebalanced", split=split, speeds=[round(s, 3) for s in decision.speeds])
         if decision.checkpoint:
             checkpointer.save(state)
         if decision.hold:
@@ -165,9 +202,15 @@ class Trainer:
         supervision = Supervision(config, rank, world_size, self.channel)
         self.load(config, rank, world_size)
         faults = FaultInjector(config.faults, rank, config.generation)
+        faults.attach(self.state.model)
         checkpointer = self.checkpointer(config, rank, world_size, faults)
-        outcome = train(self.state, self.stream, supervision, checkpointer, faults, self.args.device_ms / 1000)
+        guard = SdcGuard(config.sdc, rank, world_size, config.generation, self.state.last_verified)
+        outcome = train(self.state, self.stream, supervision, checkpointer, faults, guard, self.args.device_ms / 1000)
         checkpointer.wait()
+        faults.detach()
+        if outcome is Outcome.HALTED:  # the state is suspect: nothing of it may go on; wait to be stopped
+            supervision.await_rejoin()
+            sys.exit(EXIT_SDC)
         if outcome is Outcome.DONE:
             self.report(Finished(rank=rank, generation=config.generation, step=self.state.step))
             dist.destroy_process_group()
@@ -220,7 +263,12 @@ class Trainer:
             blocking = max(shard.blocking_s for shard in manifest.shards)
             self.report(
                 CheckpointCommitted(
-                    rank=rank, generation=config.generation, step=manifest.step, path=str(path), blocking_s=blocking
+                    rank=rank,
+                    generation=config.generation,
+                    step=manifest.step,
+                    path=str(path),
+                    blocking_s=blocking,
+                    last_verified_step=manifest.last_verified_step,
                 )
             )
 

@@ -29,13 +29,12 @@ from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from core.fleet_requests import fleet_id
 from core.run import RunResult, RunState
 from core.spec import RunSpec
 from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
 from workers.devstack import DevStack, StackError
 from workers.supervisor import connect
-from workflows.fleet import FleetWorkflow
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 DEMO_SPEC = Path("examples/gpt-small.json")
@@ -131,8 +130,10 @@ async def demo(args: argparse.Namespace) -> int:
     )
     result = await follow(client, handle)
     report(result, await ui_url(handle, ui))
+    metrics = (DevStack.recorded(args.state_dir) or {}).get("metrics")
     console.print(
-        f"The dev stack keeps running for the web UI; stop it with `stayalive dev down`. Logs: {args.state_dir}/logs"
+        f"The dev stack keeps running for the web UI and Prometheus ({metrics}); stop it with `stayalive dev down`. "
+        f"Logs: {args.state_dir}/logs"
     )
     return 0 if result.state == RunState.COMPLETED else 1
 
@@ -206,7 +207,7 @@ async def control(args: argparse.Namespace) -> int:
 
 
 async def fleet(args: argparse.Namespace) -> int:
-    handle = (await _client(args)).get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    handle = fleet_handle(await _client(args))
     console.print(fleet_table(await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)))
     return 0
 

@@ -123,12 +123,20 @@ async def ui_url(handle: WorkflowHandle, ui: str | None) -> str | None:
 
 def checkpoints_table(records: list[CheckpointRecord]) -> Table:
     table = Table(title="Checkpoints", title_justify="left")
-    for column in ("step", "generation", "blocking s", "validated", "why", "kept"):
+    for column in ("step", "generation", "blocking s", "validated", "SDC", "why", "kept"):
         table.add_column(column)
     for c in records:
         verdict = "…" if c.validated is None else ("yes" if c.validated else "no")
+        checked = f"unverified (checked to {c.last_verified_step})"
+        sdc = "suspect" if c.suspect else ("verified" if c.verified else checked)
         table.add_row(
-            str(c.step), str(c.generation), f"{c.blocking_seconds:.3f}", verdict, c.reason, "no" if c.deleted else "yes"
+            str(c.step),
+            str(c.generation),
+            f"{c.blocking_seconds:.3f}",
+            verdict,
+            sdc,
+            c.reason,
+            "no" if c.deleted else "yes",
         )
     return table
 

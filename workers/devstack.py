@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.fleet_requests import fleet_id
 from workers.supervisor import connect
-from workflows.fleet import FleetWorkflow
+from workflows.fleet import FleetWorkflow, fleet_handle
 
 
 class StackError(Exception):
@@ -61,6 +60,7 @@ class DevStack:
     racks: dict[str, str] = field(default_factory=dict)  # node → rack (default rack-a)
     port: int = 7233
     ui_port: int | None = 8233
+    metrics_port: int = 9464  # the supervisor worker's /metrics
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     standby: int | None = None  # warm standby processes per node agent (None: the agent's default)
@@ -69,6 +69,10 @@ class DevStack:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def ui_url(self) -> str | None:
@@ -86,7 +90,7 @@ class DevStack:
         """Wait until every node agent has registered with the fleet: before that, a run would be
         refused the nodes whose agents are still starting."""
         client = await connect(self.address)
-        fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+        fleet = fleet_handle(client)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -126,7 +130,8 @@ class DevStack:
             time.sleep(0.1)
 
     def start_supervisor(self) -> None:
-        self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address])
+        metrics = ["--metrics-port", str(self.metrics_port)]
+        self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address, *metrics])
 
     @property
     def memory_dir(self) -> Path:
@@ -182,6 +187,7 @@ class DevStack:
         record = {
             "port": self.port,
             "ui_port": self.ui_port,
+            "metrics": self.metrics_url,
             "nodes": self.nodes,
             "spares": self.spares,
             "pids": {name: p.pid for name, p in self.processes.items()},

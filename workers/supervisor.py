@@ -1,8 +1,10 @@
 """The supervisor worker: RunWorkflow, FleetWorkflow and the run-level activities, on task queue `stayalive`.
 
-    python -m workers.supervisor --address 127.0.0.1:7233
+    python -m workers.supervisor --address 127.0.0.1:7233 --metrics-port 9464
 
-It holds no state of its own: kill it and start another, and Temporal hands it the same runs.
+It holds no state of its own: kill it and start another, and Temporal hands it the same runs. Its
+`/metrics` serves every open run's goodput ledger, interruptions, step times and checkpoint interval
+for Prometheus (activities/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from temporalio.worker import Worker
 
 from activities.checkpoints import choose_checkpoint, keep_checkpoints
 from activities.fleet import FleetActivities
+from activities.metrics import Exporter, refresh
 from activities.monitor import await_hold, monitor_run
+from activities.paging import deliver_webhook, page
 from core.fleet_requests import fleet_id
 from training.logs import configure_logging
 from workflows.fleet import FleetInput, FleetWorkflow
@@ -65,7 +69,10 @@ async def ensure_fleet(client: Client, cluster: str = "default") -> None:
     )
 
 
-async def serve(address: str, namespace: str) -> None:
+METRICS_PORT = 9464  # the Prometheus exporters' customary default
+
+
+async def serve(address: str, namespace: str, metrics_port: int, metrics_host: str = "127.0.0.1") -> None:
     client = await connect(address, namespace)
     fleet = FleetActivities(client)
     worker = Worker(
@@ -84,23 +91,36 @@ async def serve(address: str, namespace: str) -> None:
             fleet.baseline,
             fleet.record_baseline,
             fleet.mark_suspect,
+            fleet.eviction_outcomes,
+            fleet.record_eviction,
+            page,
+            deliver_webhook,
         ],
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     await ensure_search_attributes(client)
     await ensure_fleet(client)
-    log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE)
-    await worker.run()
+    exporter = Exporter()
+    exporter.serve(metrics_port, host=metrics_host)
+    metrics = asyncio.create_task(refresh(client, exporter))
+    log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE, metrics_port=metrics_port)
+    try:
+        await worker.run()
+    finally:
+        metrics.cancel()
+        exporter.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m workers.supervisor", description=__doc__)
     parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
     parser.add_argument("--namespace", default="default")
+    parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="serve /metrics on this port")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 lets a Prometheus on another host scrape")
     args = parser.parse_args()
     configure_logging(node="supervisor")
-    asyncio.run(serve(args.address, args.namespace))
+    asyncio.run(serve(args.address, args.namespace, args.metrics_port, args.metrics_host))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities, RecordWindows, Replace, Replacement
     from activities.monitor import await_hold, monitor_run
     from activities.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
+    from activities.paging import Page, deliver_webhook, page
     from core.events import MonitorEvent, MonitorInput, NodeOutcome
-    from core.fleet_requests import Acquire, Grant, MarkSuspect, Release, TakeSpare
+    from core.fleet import EvictionOutcome
+    from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
     from core.launch import NodeEndpoint, NodeLaunch, node_queue
+    from core.paging import PagingClass
     from core.run import CheckpointRecord
     from core.telemetry import Command, Held
 
@@ -184,6 +187,23 @@ async def mark_suspect(node: str, reason: str) -> None:
     )
 
 
+async def eviction_outcomes() -> list[EvictionOutcome]:
+    return await workflow.execute_activity_method(
+        FleetActivities.eviction_outcomes,
+        start_to_close_timeout=QUICK,
+        summary="ask the fleet how past straggler evictions turned out (P(healthy))",
+    )
+
+
+async def record_eviction(node: str, run_id: str, resolved: bool) -> None:
+    await workflow.execute_activity_method(
+        FleetActivities.record_eviction,
+        RecordEviction(node=node, run_id=run_id, resolved=resolved),
+        start_to_close_timeout=QUICK,
+        summary=f"tell the fleet evicting {node} {'resolved' if resolved else 'did not resolve'} the straggler",
+    )
+
+
 async def dump_stacks(run_id: str, node: str) -> NodeStacks:
     return await workflow.execute_activity_method(
         NodeActivities.dump_stacks,
@@ -193,3 +213,21 @@ async def dump_stacks(run_id: str, node: str) -> NodeStacks:
         schedule_to_start_timeout=timedelta(seconds=15),
         summary=f"{node}: dump every rank's Python stacks",
     )
+
+
+async def send_page(message: Page) -> None:
+    """Log the page and file it in the JSONL digest (awaited: local and quick). A page that wants a
+    person also goes to the webhook in an activity of its own, not awaited: its retries, spaced out
+    over an hour, never hold the run back."""
+    await workflow.execute_activity(
+        page, message, start_to_close_timeout=QUICK, summary=f"{message.paging.value}: {message.summary}"
+    )
+    if message.webhook_url and message.paging != PagingClass.INDEPENDENT:
+        workflow.start_activity(
+            deliver_webhook,
+            message,
+            start_to_close_timeout=timedelta(seconds=10),
+            schedule_to_close_timeout=timedelta(hours=1),
+            retry_policy=RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(minutes=5)),
+            summary=f"POST the {message.paging.value} page to the webhook",
+        )

@@ -17,6 +17,7 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
+from temporalio.client import Client, WorkflowHandle
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
@@ -38,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         Release,
         Retest,
         TakeSpare,
+        fleet_id,
     )
     from core.launch import node_queue
 
@@ -246,3 +248,9 @@ def _not_run(exc: ActivityError, pickup: float) -> str:
 
 if __name__ == "__main__":
     raise SystemExit("FleetWorkflow runs in a worker: register it next to RunWorkflow in workers/supervisor.py")
+
+
+def fleet_handle(client: Client, cluster: str = "default") -> WorkflowHandle[FleetWorkflow, None]:
+    """The cluster's FleetWorkflow, for its queries and updates."""
+    handle: WorkflowHandle[FleetWorkflow, None] = client.get_workflow_handle(fleet_id(cluster))
+    return handle

@@ -66,6 +66,7 @@ def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[MonitorEvent]
             known_stragglers=[d.rank for d in seen if d.rank is not None],
             slowdown_known=any(d.kind == "slowdown" for d in seen),
             healthy_windows=health.baseline_windows,
+            tally_s=health.slowness_tally,
         )
     )
 

@@ -1,8 +1,10 @@
-"""What a run does about what went wrong: a crash, a lost node, a hang, a straggler, a slowdown.
+"""What a run does about what went wrong: a crash, a lost node, a hang, a straggler, a slowdown,
+silent data corruption, a skipped update.
 
 Each is told apart by who noticed (seed 002): a node agent reaps a dead rank, a node agent falls
 silent, the run monitor's progress watchdog sees no step, its detectors see one rank or the whole
-run slow. Each has its own remedy. Workflow code: it decides and calls activities, nothing else.
+run slow, the ranks' own checks see a wrong number. Each has its own remedy. Workflow code: it
+decides and calls activities, nothing else.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from workflows.generation import Generation
 
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import Replace
+    from activities.paging import Page
     from core.detectors import culprit
-    from core.diagnosis import Diagnosis
-    from core.events import Hang, NodeLost, RankFailed, SlowdownFound, StragglerFound
+    from core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected
+    from core.goodput import recent_goodput
     from core.launch import Membership, assign_ranks, without_node
-    from core.paging import PagingClass, classify, environmental
-    from core.recovery import interruption_from
+    from core.paging import Classification, PagingClass, classify
+    from core.recovery import interruption_from, mark_suspect
     from core.run import Cause, Detection, Interruption, RunState
 
 if TYPE_CHECKING:
@@ -45,7 +48,7 @@ async def failure(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLos
         )
     else:
         await replace(run, interruption, failed.node, interruption.line())
-    _restart(run, interruption)
+    await _restart(run, interruption)
 
 
 async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
@@ -57,16 +60,13 @@ async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
     await gen.cancel()
     stacks = {rank: text for dump in dumps for rank, text in dump.stacks.items()}
     suspects = culprit(stacks)
-    node_of = {
-        rank: node for node, ranks in assign_ranks(status.nodes, status.spec.ranks_per_node).items() for rank in ranks
-    }
     rank = suspects[0] if len(suspects) == 1 else None
     interruption = Interruption(
         at=datetime.fromtimestamp(event.at, UTC) - timedelta(seconds=event.stalled_s),
         generation=status.generation,
         detected_by=f"progress watchdog: no step for {event.timeout_s:.0f}s, every rank alive",
         cause=Cause.HANG,
-        node=node_of.get(rank) if rank is not None else None,
+        node=_node_of(run, rank) if rank is not None else None,
         rank=rank,
         step=event.step,
         detected_after_s=event.stalled_s,
@@ -80,54 +80,63 @@ async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
         await calls.release(run.run_id, interruption.node)  # its hung rank holds on until stopped
     else:
         interruption.actions.append("no culprit named: every rank restarts on the same nodes")
-    _restart(run, interruption)
+    await _restart(run, interruption)
 
 
-async def straggler(run: RunWorkflow, event: StragglerFound) -> None:
-    """One rank is slow and correct: record it with its diagnosis and mark its node suspect."""
-    verdict = event.verdict
-    detection = Detection(
+async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
+    """A check failed and every rank halted before the step's update. What was computed after the
+    last passing check may be corrupt: those checkpoints become suspect, the culprit's node is
+    quarantined (its self-test runs in the fleet), and the run restarts from the newest checkpoint
+    at or before that check."""
+    check, status = event.check, run.status
+    run.set_state(RunState.DIAGNOSING, f"SDC at step {check.step}: {check.detail}")
+    await gen.cancel()
+    suspect = mark_suspect(status.checkpoints, status.generation, check.last_verified)
+    resume = status.latest_valid_checkpoint()
+    status.verified_step = resume.step if resume else 0  # the new timeline is verified up to where it starts
+    node = _node_of(run, check.culprit) if check.culprit is not None else None
+    interruption = Interruption(
         at=workflow.now(),
-        generation=run.status.generation,
-        kind="straggler",
-        step=event.step,
-        ratio=event.ratio,
-        node=event.node,
-        rank=event.rank,
-        diagnosis=verdict.diagnosis.value if verdict else None,
-        evidence=verdict.evidence if verdict else "no GPU telemetry from the node yet",
-        actions=[f"rank {event.rank} on {event.node} computes {event.ratio:.2f}× the median (z {event.z:.1f})"],
+        generation=status.generation,
+        detected_by="bitwise self-check replay" if check.method == "self" else "cross-rank check",
+        cause=Cause.SDC,
+        node=node,
+        rank=check.culprit,
+        step=check.step - 1,  # the corrupted step's update was never applied
+        detail=check.detail,
+        sdc_check=check,
+        actions=[
+            f"every rank halted at step {check.step} before its update",
+            f"marked {len(suspect)} checkpoints after step {check.last_verified} (the last passing check) suspect",
+        ],
     )
-    await calls.mark_suspect(event.node, f"straggler: rank {event.rank} at {event.ratio:.2f}× ({detection.diagnosis})")
-    detection.actions.append(f"marked {event.node} suspect in the fleet")
-    run.status.detections.append(detection)
-    workflow.logger.warning("straggler: rank %s on %s at %.2fx", event.rank, event.node, event.ratio)
+    if node is not None:
+        await asyncio.gather(replace(run, interruption, node, f"SDC: {check.detail}"), calls.release(run.run_id, node))
+    await _restart(run, interruption)
 
 
-def slowdown(run: RunWorkflow, event: SlowdownFound) -> None:
-    """Every rank is slow together: the absolute check against healthy runs caught what the relative
-    one cannot. An environmental cause pages facilities; no node is evicted for it."""
-    verdicts = list(event.verdicts.values())
-    shared = [v for v in verdicts if v.diagnosis == Diagnosis.ENVIRONMENTAL]
-    leading = (shared or verdicts)[0] if verdicts else None
+def anomaly(run: RunWorkflow, event: AnomalyFound) -> None:
+    """A step's update was skipped on every rank and training went on: recorded, with the rank whose
+    numbers went non-finite, for a person to investigate."""
+    found = event.anomaly
     run.status.detections.append(
         Detection(
             at=workflow.now(),
             generation=run.status.generation,
-            kind="slowdown",
-            step=event.step,
-            ratio=event.ratio,
-            diagnosis=leading.diagnosis.value if leading else None,
-            evidence=leading.evidence if leading else "no GPU telemetry",
-            actions=[
-                f"the run's step time is {event.ratio:.2f}× its healthy baseline "
-                f"({event.window_median * 1000:.0f} ms against {event.baseline_median * 1000:.0f} ms)",
-                "no node evicted: every rank is slow alike",
-            ],
-            paging=environmental(event.ratio, leading.evidence) if shared and leading else None,
+            kind=found.kind,
+            step=found.step,
+            node=_node_of(run, found.rank) if found.kind == "nonfinite" else None,
+            rank=found.rank if found.kind == "nonfinite" else None,
+            evidence=found.detail,
+            actions=[f"every rank skipped the update of step {found.step}; the weights are untouched"],
         )
     )
-    workflow.logger.warning("slowdown: %.2fx the baseline (%s)", event.ratio, leading.diagnosis if leading else "?")
+    workflow.logger.warning("update of step %s skipped: %s", found.step, found.detail)
+
+
+def _node_of(run: RunWorkflow, rank: int) -> str | None:
+    placement = assign_ranks(run.status.nodes, run.spec.ranks_per_node)
+    return next((node for node, ranks in placement.items() if rank in ranks), None)
 
 
 async def replace(run: RunWorkflow, interruption: Interruption, node: str, reason: str) -> Membership:
@@ -149,14 +158,30 @@ async def replace(run: RunWorkflow, interruption: Interruption, node: str, reaso
     return membership
 
 
-def _restart(run: RunWorkflow, interruption: Interruption) -> None:
-    """Classify, record, and let the next generation restart every rank from a checkpoint."""
-    status = run.status
-    interruption.paging = classify(status.interruptions, interruption, run.spec.checkpoint.prior_mtbf, None)
+async def _restart(run: RunWorkflow, interruption: Interruption) -> None:
+    """Classify, record, page, and let the next generation restart every rank from a checkpoint."""
+    status, now = run.status, workflow.now()
+    paging = classify(status.interruptions, interruption, run.spec.checkpoint.prior_mtbf, recent_goodput(status, now))
+    interruption.paging = paging
     run.record(interruption)
-    if interruption.paging.paging == PagingClass.DETERMINISTIC:
-        run.stop(f"{interruption.paging.rule}: {interruption.paging.evidence}. {interruption.paging.action}")
+    if paging.paging == PagingClass.DETERMINISTIC:
+        run.stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
         interruption.actions.append("stopped the run for a person")
+    await page(run, paging, interruption.line())
+
+
+async def page(run: RunWorkflow, classification: Classification, summary: str) -> None:
+    sinks = run.spec.paging
+    await calls.send_page(
+        Page.of(
+            run.run_id,
+            workflow.now(),
+            classification,
+            summary,
+            webhook_url=str(sinks.webhook) if sinks.webhook else None,
+            jsonl_path=sinks.jsonl,
+        )
+    )
 
 
 async def _culprit(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLost) -> RankFailed | NodeLost:

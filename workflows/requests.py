@@ -34,6 +34,7 @@ class Request:
     node: str = ""
     reason: str = ""
     step: int = 0
+    by: str = "operator"  # who asked: a person, or a detector acting on its own authority
     outcome: str | None = None  # set when the main loop has carried it out
 
 
@@ -47,7 +48,7 @@ async def carry_out(run: RunWorkflow, request: Request, gen: Generation) -> None
     interruption = Interruption(
         at=started,
         generation=run.status.generation,
-        detected_by="operator" if request.reason else "detector",
+        detected_by=request.by,
         cause=Cause.DRAIN if request.kind == "drain" else Cause.PAUSE,
         node=request.node or None,
         step=held_at,
@@ -103,18 +104,19 @@ async def hold(run: RunWorkflow, gen: Generation, why: str) -> int:
 def rollback(run: RunWorkflow, step: int) -> str:
     """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
     superseded = supersede(run.status.checkpoints, step)
-    run.record(
-        Interruption(
-            at=workflow.now(),
-            generation=run.status.generation,
-            detected_by="operator",
-            cause=Cause.ROLLBACK,
-            step=run.status.progress.step,
-            detail=f"resume_from step {step}",
-            actions=[f"marked {len(superseded)} later checkpoints superseded"],
-            paging=PLANNED,
-        )
+    run.status.verified_step = min(run.status.verified_step, step)
+    interruption = Interruption(
+        at=workflow.now(),
+        generation=run.status.generation,
+        detected_by="operator",
+        cause=Cause.ROLLBACK,
+        step=run.status.progress.step,
+        detail=f"resume_from step {step}",
+        actions=[f"marked {len(superseded)} later checkpoints superseded"],
+        paging=PLANNED,
     )
+    interruption.resumed_at(step)  # also what a checkpoint judged only later is measured against
+    run.record(interruption)
     if run.status.state == RunState.STOPPED:
         run.set_state(RunState.RESUMING)
     return f"rolling back to step {step}; {len(superseded)} later checkpoints superseded"

@@ -18,7 +18,7 @@ from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ActivityError
 
-from workflows import calls, generation, incidents, requests
+from workflows import calls, generation, incidents, requests, stragglers
 from workflows.generation import Generation
 from workflows.requests import Request
 
@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
 
     from activities.checkpoints import ChooseInput, KeeperResult
     from core.events import (
+        AnomalyFound,
         FirstStep,
         Hang,
         HealthyWindows,
@@ -34,17 +35,21 @@ with workflow.unsafe.imports_passed_through():
         NodeLost,
         NodeOutcome,
         RanksFinished,
+        SdcDetected,
         SlowdownFound,
+        SlownessTally,
         StragglerFound,
     )
     from core.goodput import ledger
     from core.health import Health, health_table
     from core.interval import checkpoint_seconds, checkpoint_steps
+    from core.recovery import mark_suspect, supersede, verify
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
     from core.telemetry import Command
 
 TASK_QUEUE = "stayalive"
+CommandKind = Literal["checkpoint", "hold", "exit", "rebalance"]
 RUN_STATE = SearchAttributeKey.for_keyword("RunState")
 STEP = SearchAttributeKey.for_int("Step")
 GOODPUT = SearchAttributeKey.for_float("Goodput")
@@ -140,12 +145,13 @@ class RunWorkflow:
 
     @workflow.query
     def detections(self) -> list[Detection]:
-        """Stragglers and slowdowns: slow, not stopped, so not interruptions."""
+        """Stragglers, slowdowns and skipped updates: nothing stopped, so not interruptions."""
         return self.status.detections
 
     @workflow.query
     def checkpoints(self) -> list[CheckpointRecord]:
-        """Every checkpoint the run wrote: validated or not, and why; deleted by retention or kept."""
+        """Every checkpoint the run wrote: validated or not, and why; SDC-verified, unverified or
+        suspect; deleted by retention or kept."""
         return self.status.checkpoints
 
     @workflow.signal
@@ -183,11 +189,12 @@ class RunWorkflow:
 
     @resume_from.validator
     def _check_resume_from(self, request: ResumeFrom) -> None:
-        if not any(c.step == request.step and c.validated and not c.deleted for c in self.status.checkpoints):
-            valid = ", ".join(
-                str(s) for s in sorted({c.step for c in self.status.checkpoints if c.validated and not c.deleted})
+        if not any(c.step == request.step and c.resumable for c in self.status.checkpoints):
+            valid = ", ".join(str(s) for s in sorted({c.step for c in self.status.checkpoints if c.resumable}))
+            raise ValueError(
+                f"no resumable checkpoint at step {request.step} (validated and not suspect of SDC); "
+                f"resume_from one of the resumable steps: {valid or 'none yet'}"
             )
-            raise ValueError(f"no validated checkpoint at step {request.step}; valid steps: {valid or 'none yet'}")
 
     async def _carry_out(self, request: Request) -> str:
         self.requests.append(request)
@@ -235,22 +242,11 @@ class RunWorkflow:
             done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
             if not ask.done():
                 ask.cancel()
-            if gen.monitor is not None and gen.monitor in done:
-                event = gen.monitor.result()
+            event = gen.monitor.result() if gen.monitor is not None and gen.monitor in done else None
+            if event is not None:
                 self._on_monitor_event(event)
-                if isinstance(event, Hang):
-                    await incidents.hang(self, gen, event)
-                    return
-                if isinstance(event, StragglerFound):
-                    await incidents.straggler(self, event)
-                elif isinstance(event, SlowdownFound):
-                    incidents.slowdown(self, event)
-                elif isinstance(event, HealthyWindows):
-                    await calls.record_baseline(self.spec.config_digest, event.medians)
-                gen.monitor = generation.monitor(self.status, first_step=False)
-            if gen.keeper is not None and gen.keeper in done:
-                self.on_checkpoint(gen.keeper.result())
-                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
+            # What the node agents saw goes first: a rank that died or ranks that all finished explain
+            # a stall the watchdog reported in the same breath (a supervisor that was down sees both).
             for node, task in gen.nodes.items():
                 if task in done:
                     outcome = await self.outcome(node, task)
@@ -262,6 +258,29 @@ class RunWorkflow:
             if len(gen.finished) == len(gen.nodes):
                 await self._finish(gen)
                 return
+            if event is not None:
+                if isinstance(event, Hang):
+                    await incidents.hang(self, gen, event)
+                    return
+                if isinstance(event, SdcDetected):
+                    await incidents.sdc(self, gen, event)
+                    return
+                if isinstance(event, AnomalyFound):
+                    incidents.anomaly(self, event)
+                elif isinstance(event, StragglerFound):
+                    await stragglers.settle(self, resolved=False)
+                    await stragglers.straggler(self, event)
+                elif isinstance(event, SlowdownFound):
+                    await stragglers.slowdown(self, event)
+                elif isinstance(event, SlownessTally):
+                    await stragglers.climb(self)
+                elif isinstance(event, HealthyWindows):
+                    await stragglers.settle(self, resolved=True)
+                    await calls.record_baseline(self.spec.config_digest, event.medians)
+                gen.monitor = generation.monitor(self.status, first_step=False)
+            if gen.keeper is not None and gen.keeper in done:
+                self.on_checkpoint(gen.keeper.result())
+                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
             if self.requests:
                 await requests.carry_out(self, self.requests.pop(0), gen)
                 return
@@ -292,6 +311,12 @@ class RunWorkflow:
             )
         )
         status.checkpoints.extend(found)
+        for interruption in status.interruptions:
+            earlier = [c for c in found if c.generation <= interruption.generation]
+            if (check := interruption.sdc_check) is not None:  # what ranks halted by an SDC check left
+                mark_suspect(earlier, interruption.generation, check.last_verified)
+            if interruption.cause == Cause.ROLLBACK and interruption.resumed_from is not None:
+                supersede(earlier, interruption.resumed_from)  # committed before the rollback, judged after
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -299,6 +324,7 @@ class RunWorkflow:
         status = self.status
         status.progress = event.progress
         status.telemetry_cursor = event.after
+        status.straggler_seconds += event.progress.straggler_s  # each monitor counts from zero
         if isinstance(event, FirstStep):
             at = datetime.fromtimestamp(event.at, UTC)
             if status.first_step_at is None:
@@ -316,6 +342,8 @@ class RunWorkflow:
             if record.path in result.deleted:
                 record.deleted = True
         status.checkpoints.append(result.checkpoint)
+        status.verified_step = max(status.verified_step, result.checkpoint.last_verified_step)
+        verify(status.checkpoints, status.verified_step)
         status.progress.step = max(status.progress.step, result.checkpoint.step)
         if status.state == RunState.CHECKPOINTING:
             self.set_state(RunState.RUNNING)
@@ -381,12 +409,12 @@ class RunWorkflow:
     def checkpoint_steps(self) -> float:
         return checkpoint_steps(self.status, workflow.now())
 
-    def next_command(self, kind: Literal["checkpoint", "hold", "exit"]) -> Command:
+    def next_command(self, kind: CommandKind, speeds: list[float] | None = None) -> Command:
         self.status.command_seq += 1
-        return Command(seq=self.status.command_seq, kind=kind)
+        return Command(seq=self.status.command_seq, kind=kind, speeds=speeds or [])
 
-    async def command(self, kind: Literal["checkpoint", "hold", "exit"], summary: str) -> None:
-        command = self.next_command(kind)
+    async def command(self, kind: CommandKind, summary: str, speeds: list[float] | None = None) -> None:
+        command = self.next_command(kind, speeds)
         await asyncio.gather(*(calls.command(self.run_id, node, command, summary) for node in self.status.nodes))
 
     async def _release(self) -> None:

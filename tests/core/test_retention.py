@@ -52,3 +52,16 @@ def test_deleted_checkpoints_are_not_deleted_twice() -> None:
     history = [record(100 * (i + 1), 0.1 * i) for i in range(12)]
     history[0].deleted = True
     assert all(not c.deleted for c in to_delete(history, START, 100, 100))
+
+
+def test_the_newest_verified_checkpoint_survives_and_suspect_ones_go() -> None:
+    # Checkpoints every 10 steps, checks every 100: keep 32 by count; the last check passed at step 30,
+    # so step 30 is the only clean ancestor an SDC rollback could use, however many come after it.
+    history = [record(10 * (i + 1), 0.01 * i) for i in range(40)]
+    for c in history:
+        c.verified = c.step <= 30
+    history[-1].suspect = True
+    dropped = {c.step for c in to_delete(history, START, sdc_check_steps=100, checkpoint_steps=10)}
+    assert 30 not in dropped
+    assert 400 in dropped  # suspect: never resumed from, so not kept
+    assert dropped == {20, 40, 50, 60, 70, 400}  # 10: the first six-hour milestone; 80-390: the newest 32

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
+import torch
 from temporalio.client import Client
 
-from tests.helpers import wait_for_fleet
+from core.run import RunState
+from tests.helpers import REFERENCE_STEPS, final_state, start, tiny_spec, wait_for_fleet
+from workflows.run import RunWorkflow
 
 
 @pytest.fixture(autouse=True)
@@ -14,3 +19,15 @@ async def settled_fleet(client: Client) -> None:
     await wait_for_fleet(
         client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2", "n3"))
     )
+
+
+@pytest.fixture(scope="session")
+async def reference_run(
+    client: Client, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[dict[str, torch.Tensor]]:
+    """Parameters and optimizer state of an uninterrupted run of the tiny spec: what a run that was
+    interrupted (and recovered) must end with, bit for bit."""
+    spec = tiny_spec(tmp_path_factory.mktemp("reference"), target_step=REFERENCE_STEPS)
+    handle = await start(client, spec, "reference")
+    assert (await handle.result()).state == RunState.COMPLETED
+    yield final_state(await handle.query(RunWorkflow.checkpoints))

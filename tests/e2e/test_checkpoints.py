@@ -5,47 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 from temporalio.client import Client
 
-from core.run import Cause, CheckpointRecord, RunState
-from tests.helpers import rank_pids, start, tiny_spec, wait_until
-from training.checkpoint import load_checkpoint
+from core.run import Cause, RunState
+from tests.helpers import REFERENCE_STEPS as TARGET
+from tests.helpers import assert_bitwise_equal, final_state, rank_pids, start, tiny_spec, wait_until
 from workers.devstack import DevStack
 from workflows.run import RunWorkflow
 
-TARGET = 60
-
-
-def final_state(checkpoints: list[CheckpointRecord]) -> dict[str, torch.Tensor]:
-    final = next(c for c in checkpoints if c.step == TARGET and c.validated)
-    _, tensors = load_checkpoint(Path(final.path))
-    return {name: t for name, t in tensors.items() if name.startswith(("model/", "optim/"))}
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    different = [name for name in a if not torch.equal(a[name], b[name])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
-@pytest.fixture(scope="module")
-async def uninterrupted(
-    client: Client, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[dict[str, torch.Tensor]]:
-    """Parameters and optimizer state of the reference run: same spec, same world size, no fault."""
-    spec = tiny_spec(tmp_path_factory.mktemp("reference"), target_step=TARGET)
-    handle = await start(client, spec, "reference")
-    assert (await handle.result()).state == RunState.COMPLETED
-    yield final_state(await handle.query(RunWorkflow.checkpoints))
-
 
 async def test_killed_three_times_ends_bitwise_identical(
-    client: Client, checkpoint_root: Path, uninterrupted: dict[str, torch.Tensor]
+    client: Client, checkpoint_root: Path, reference_run: dict[str, torch.Tensor]
 ) -> None:
     crashes = [
         {"kind": "crash", "rank": 1, "at_step": 13, "generation": 0},
@@ -57,7 +31,7 @@ async def test_killed_three_times_ends_bitwise_identical(
     assert result.state == RunState.COMPLETED
     assert [(i.cause, i.rank) for i in result.interruptions] == [(Cause.CRASH, 1), (Cause.CRASH, 2), (Cause.CRASH, 0)]
     assert [i.resumed_from for i in result.interruptions] == [10, 20, 40]
-    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), uninterrupted)
+    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), reference_run)
 
 
 DAMAGE = {
@@ -100,7 +74,7 @@ async def test_a_writer_killed_mid_write_leaves_nothing_to_resume_from(client: C
 
 
 async def test_replacement_restores_from_the_peer_copy_when_storage_is_gone(
-    client: Client, stack: DevStack, checkpoint_root: Path, uninterrupted: dict[str, torch.Tensor]
+    client: Client, stack: DevStack, checkpoint_root: Path, reference_run: dict[str, torch.Tensor]
 ) -> None:
     handle = await start(client, tiny_spec(checkpoint_root, target_step=TARGET), "peer-copy")
     status = await wait_until(handle, lambda s: any(c.validated and c.step >= 20 for c in s.checkpoints))
@@ -120,4 +94,4 @@ async def test_replacement_restores_from_the_peer_copy_when_storage_is_gone(
     result = await handle.result()
     assert result.state == RunState.COMPLETED
     assert [(i.cause, i.restored_from) for i in result.interruptions] == [(Cause.CRASH, "memory")]
-    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), uninterrupted)
+    assert_bitwise_equal(final_state(await handle.query(RunWorkflow.checkpoints)), reference_run)

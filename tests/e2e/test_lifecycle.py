@@ -10,7 +10,7 @@ import pytest
 from temporalio.client import Client, WorkflowUpdateFailedError
 
 from core.fleet import NodeState
-from core.fleet_requests import Acquire, Release, fleet_id
+from core.fleet_requests import Acquire, Release
 from core.run import Cause, RunState
 from core.telemetry import StepReport
 from tests.helpers import (
@@ -25,7 +25,7 @@ from tests.helpers import (
     wait_until,
 )
 from workers.devstack import DevStack
-from workflows.fleet import FleetWorkflow
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import DrainNode, ResumeFrom, RunWorkflow
 
 GLOBAL_BATCH = 8
@@ -98,7 +98,7 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
 
 
 async def test_below_the_minimum_the_run_waits_for_a_node(client: Client, checkpoint_root: Path) -> None:
-    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    fleet = fleet_handle(client)
     await fleet.execute_update(FleetWorkflow.acquire, Acquire(run_id="blocker/00000000", wanted=["n3"]))
     handle = await start(client, tiny_spec(checkpoint_root, target_step=120), "wait-for-node")
     await wait_for_step(client, handle, 30)
@@ -122,7 +122,7 @@ async def test_a_failing_node_is_quarantined_across_runs_until_its_self_test_pas
     assert (await first.result()).state == RunState.COMPLETED
     first_run = (await first.query(RunWorkflow.status_query)).run_id
     await wait_for_fleet(client, lambda nodes: nodes["n2"].state == NodeState.QUARANTINED)
-    fleet = client.get_workflow_handle_for(FleetWorkflow.run, fleet_id())
+    fleet = fleet_handle(client)
     record = next(q for q in await fleet.query(FleetWorkflow.quarantines) if q.node == "n2" and q.open)
     assert first_run in record.run_ids_affected
     assert record.self_tests and not record.self_tests[-1].passed and not record.self_tests[-1].checks["gemm"]
@@ -148,7 +148,8 @@ async def test_resume_from_rejects_unknown_steps_and_rolls_back_to_valid_ones(
     await wait_until(handle, lambda s: sum(1 for c in s.checkpoints if c.validated) >= 3)
     with pytest.raises(WorkflowUpdateFailedError) as rejected:
         await handle.execute_update(RunWorkflow.resume_from, ResumeFrom(step=15))
-    assert "no validated checkpoint at step 15; valid steps: 10, 20, 30" in str(rejected.value.cause)
+    assert "no resumable checkpoint at step 15" in str(rejected.value.cause)
+    assert "resumable steps: 10, 20, 30" in str(rejected.value.cause)
     outcome = await handle.execute_update(RunWorkflow.resume_from, ResumeFrom(step=20))
     assert outcome.startswith("rolling back to step 20")
     result = await handle.result()

@@ -52,7 +52,7 @@ def by_step(hub: NodeHub, generation: int) -> tuple[dict[int, list[int]], dict[i
     weighted: dict[int, float] = defaultdict(float)
     for record in hub.run(RUN).records:
         report = record.message
-        if isinstance(report, StepReport) and report.generation == generation:
+        if isinstance(report, StepReport) and report.generation == generation and report.loss is not None:
             samples[report.step] += report.samples
             weighted[report.step] += report.loss * len(report.samples) / GLOBAL_BATCH
     return dict(samples), dict(weighted)

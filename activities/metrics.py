@@ -1,0 +1,129 @@
+"""Prometheus metrics of every open run, for the supervisor worker's `/metrics`.
+
+The numbers live in the runs' workflow state; this only reads them. `refresh` asks each running
+RunWorkflow for its `health` and `timeline` queries every few seconds and `Exporter` turns the
+answers into gauges, so a scrape never touches Temporal and a Temporal outage freezes the numbers
+instead of failing the scrape. Interruption counts are gauges of the timeline's totals: the
+timeline is the source of truth, and a counter incremented here would double-count on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from datetime import timedelta
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from temporalio.client import Client
+
+from core.health import Health
+from core.run import Cause, Interruption
+
+log = structlog.get_logger()
+
+OPEN_RUNS = "WorkflowType='RunWorkflow' AND ExecutionStatus='Running'"
+REFRESH_SECONDS = 5.0
+QUERY_TIMEOUT = timedelta(seconds=5)  # one run whose worker is gone must not stall the others
+LEDGER_CATEGORIES = ("productive", "startup", "checkpoint", "lost", "recovery", "idle", "straggler")
+
+
+class Exporter:
+    """Gauges per run (label `run_id`: the workflow id, stable across continue-as-new), in a registry
+    of their own so nothing else in the process leaks into, or collides with, these metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, ["run_id", *labels], registry=self.registry)
+
+        self.goodput = gauge("stayalive_goodput_ratio", "Share of the run's wall-clock spent on productive compute")
+        self.ledger = gauge("stayalive_ledger_seconds", "The run's wall-clock by goodput ledger category", "category")
+        self.step_p50 = gauge("stayalive_step_time_p50_seconds", "Median step time over the recent window")
+        self.step_max = gauge("stayalive_step_time_max_seconds", "Slowest step time over the recent window")
+        self.checkpoint_interval = gauge(
+            "stayalive_checkpoint_interval_seconds", "Checkpoint interval in force (absent when fixed in steps)"
+        )
+        self.interruptions = gauge("stayalive_interruptions", "Interruptions in the run's timeline, by cause", "cause")
+        self.runs: set[str] = set()
+        self._causes: dict[str, set[str]] = {}  # per run, the cause labels it has series for
+        self._server: WSGIServer | None = None
+
+    def update(self, run_id: str, health: Health, interruptions_by_cause: dict[str, int]) -> None:
+        book = health.ledger
+        self.goodput.labels(run_id).set(book.goodput)
+        for category in LEDGER_CATEGORIES:
+            self.ledger.labels(run_id, category).set(getattr(book, category))
+        self.step_p50.labels(run_id).set(health.step_time_p50)
+        self.step_max.labels(run_id).set(health.step_time_max)
+        if health.checkpoint_interval_s is None:
+            self.checkpoint_interval.remove(run_id)  # a no-op when it was never set
+        else:
+            self.checkpoint_interval.labels(run_id).set(health.checkpoint_interval_s)
+        # Every known cause, zeros included: a series that appears only at its first event hides the
+        # step from nothing to one from `increase()`.
+        causes = self._causes.setdefault(run_id, set())
+        causes |= {c.value for c in Cause} | set(interruptions_by_cause)
+        for cause in causes:
+            self.interruptions.labels(run_id, cause).set(interruptions_by_cause.get(cause, 0))
+        self.runs.add(run_id)
+
+    def forget(self, run_id: str) -> None:
+        """Drop every series of a run that is no longer open: a finished run's gauges would otherwise
+        report its last values forever."""
+        for metric in (self.goodput, self.step_p50, self.step_max, self.checkpoint_interval):
+            metric.remove(run_id)
+        for category in LEDGER_CATEGORIES:
+            self.ledger.remove(run_id, category)
+        for cause in self._causes.pop(run_id, set()):
+            self.interruptions.remove(run_id, cause)
+        self.runs.discard(run_id)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve `/metrics` on host:port from a daemon thread; returns the port (useful with 0)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+async def refresh(client: Client, exporter: Exporter, every_s: float = REFRESH_SECONDS) -> None:
+    """Keep `exporter` current with every open run until cancelled."""
+    while True:
+        try:
+            await refresh_once(client, exporter)
+        except Exception as exc:  # the listing failed (server restarting): keep the last numbers
+            log.warning("metrics refresh failed", error=str(exc))
+        await asyncio.sleep(every_s)
+
+
+async def refresh_once(client: Client, exporter: Exporter) -> set[str]:
+    """One pass: query every open run, update its gauges, forget runs that closed. Returns the open
+    runs' workflow ids. A run whose queries fail keeps its last numbers until it closes."""
+    open_runs = [execution.id async for execution in client.list_workflows(OPEN_RUNS)]
+    answers = await asyncio.gather(*(_read(client, run) for run in open_runs), return_exceptions=True)
+    for run, answer in zip(open_runs, answers, strict=True):
+        if isinstance(answer, BaseException):
+            log.warning("metrics query failed", run_id=run, error=str(answer))
+            continue
+        health, timeline = answer
+        exporter.update(run, health, dict(Counter(i.cause.value for i in timeline)))
+    for closed in exporter.runs - set(open_runs):
+        exporter.forget(closed)
+    return set(open_runs)
+
+
+async def _read(client: Client, workflow_id: str) -> tuple[Health, list[Interruption]]:
+    # By query name, not RunWorkflow's methods: activities never import workflow code.
+    handle = client.get_workflow_handle(workflow_id)
+    health, timeline = await asyncio.gather(
+        handle.query("health", result_type=Health, rpc_timeout=QUERY_TIMEOUT),
+        handle.query("timeline", result_type=list[Interruption], rpc_timeout=QUERY_TIMEOUT),
+    )
+    return health, timeline

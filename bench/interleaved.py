@@ -1,0 +1,103 @@
+"""Interleaved blocks: the way bench/sdc.py and bench/supervision.py measure an overhead of a few
+tenths of a percent on a shared two-core host.
+
+Real ranks (gloo, the tiny GPT with `--device-ms` of simulated accelerator time per micro-batch, so
+compute dominates a step as it does on a GPU) run blocks of steps, cycling through a plan of
+variants in the same processes. Neighbouring blocks share the machine's state, so each block is
+compared with the mean of the baseline blocks around it, and the median over cycles is the
+overhead. The first cycle warms up and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from multiprocessing.queues import Queue
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from training.train import Trainer, parse_args
+from workers.devstack import free_port
+
+WORLD_SIZE = 4
+DEVICE_MS = 20
+BLOCK_STEPS = 100
+
+Block = tuple[int, str, float]  # (cycle, variant, seconds)
+RankBody = Callable[[int, Trainer, int, str, "Queue[Block]"], None]  # rank, trainer, cycles, scratch dir, results
+
+
+def trainer_for(rank: int, port: int) -> Trainer:
+    """This rank's trainer in a fresh gloo group of WORLD_SIZE ranks on this host."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE="4"
+    )
+    trainer = Trainer(parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)]))
+    dist.init_process_group("gloo")
+    return trainer
+
+
+def _rank(body: RankBody, rank: int, port: int, cycles: int, directory: str, results: Queue[Block]) -> None:
+    body(rank, trainer_for(rank, port), cycles, directory, results)
+    dist.destroy_process_group()
+
+
+def measure(body: RankBody, cycles: int, blocks_per_cycle: int) -> list[Block]:
+    """Run `body` on WORLD_SIZE spawned ranks; rank 0 puts one Block per block it times."""
+    context = multiprocessing.get_context("spawn")
+    results: Queue[Block] = context.Queue()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-") as directory:
+        ranks = [
+            context.Process(target=_rank, args=(body, rank, port, cycles, directory, results))
+            for rank in range(WORLD_SIZE)
+        ]
+        for process in ranks:
+            process.start()
+        blocks = [results.get(timeout=600) for _ in range(cycles * blocks_per_cycle)]
+        for process in ranks:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"a rank exited with {process.exitcode}")
+    return blocks
+
+
+def overheads(blocks: list[Block], variant: str, baseline: str) -> list[float]:
+    """Per counted cycle: each `variant` block against the mean of the `baseline` blocks of its cycle."""
+    counted = sorted({cycle for cycle, _, _ in blocks})[1:]
+    result = []
+    for cycle in counted:
+        mine = [s for c, name, s in blocks if c == cycle and name == variant]
+        base = statistics.fmean(s for c, name, s in blocks if c == cycle and name == baseline)
+        result += [s / base - 1 for s in mine]
+    return result
+
+
+def median_step_s(blocks: list[Block], variant: str) -> float:
+    counted = sorted({cycle for cycle, _, _ in blocks})[1:]
+    return statistics.median(s / BLOCK_STEPS for c, name, s in blocks if c in counted and name == variant)
+
+
+def cycles(doc: str | None, quick: int, full: int) -> int:
+    """The command line of an interleaved bench: `--quick` runs `quick` cycles instead of `full`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"{quick} cycles instead of {full} (about a minute)")
+    return quick if parser.parse_args().quick else full
+
+
+def report(title: str, rows: list[tuple[str, str]], result: dict[str, object]) -> None:
+    """The figures as a table on stderr, then the one JSON line on stdout."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for row in rows:
+        table.add_row(*row)
+    Console(stderr=True).print(table)
+    print(json.dumps(result))

@@ -1,0 +1,139 @@
+"""What supervision costs a training step: the hooks on against the same step without them.
+
+The hooks are what a supervised rank does beyond a plain data-parallel step: the control vote after
+each step (one all-reduce of a few command numbers, so every rank acts on a command at the same
+step), a step report to its node agent (a line handed to a background thread; the agent here is a
+TCP sink in this process), and the flag slots the SDC checks would use in the gradient all-reduce.
+Both variants run in the same ranks, interleaved (bench/interleaved.py):
+
+    plain       forward, backward, gradient all-reduce, optimizer step: a torchrun script's step
+    supervised  training/train.py's loop, SDC checks off: the same step, plus the hooks
+
+Both end each block with one checkpoint. The bar (issue 5): the hooks cost under 1% of a step.
+
+    python -m bench.supervision [--quick]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+import threading
+import time
+from multiprocessing.queues import Queue
+from pathlib import Path
+
+import torch.distributed as dist
+
+from bench.interleaved import (
+    BLOCK_STEPS,
+    DEVICE_MS,
+    WORLD_SIZE,
+    Block,
+    cycles,
+    measure,
+    median_step_s,
+    overheads,
+    report,
+)
+from core.spec import SdcSpec
+from core.telemetry import Hello
+from training.channel import AgentChannel
+from training.faults import FaultInjector
+from training.sdc import SdcGuard, flat_grads, set_grads
+from training.supervision import Supervision, SupervisionConfig
+from training.train import Trainer, train
+
+BAR = 0.01
+PLAN = ("plain", "supervised")
+SINK = "STAYALIVE_BENCH_SINK"  # where ranks send their reports: host:port of the sink
+
+
+def plain_block(trainer: Trainer, rank: int, steps: int) -> None:
+    state, stream = trainer.state, trainer.stream
+    params = list(state.model.parameters())
+    for step in range(state.step + 1, state.step + steps + 1):
+        state.optimizer.zero_grad(set_to_none=True)
+        inputs, targets = stream.batch(stream.positions(step, rank, WORLD_SIZE))
+        (state.model(inputs, targets).sum() / stream.global_batch).backward()
+        time.sleep(DEVICE_MS / 1000)
+        flat = flat_grads(params)
+        dist.all_reduce(flat)
+        set_grads(params, flat)
+        state.optimizer.step()
+        state.step = step
+
+
+def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
+    config = SupervisionConfig(run_id="bench-supervision", generation=0, target_step=0, checkpoint_dir=Path(directory))
+    faults = FaultInjector([], rank, 0)
+    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, faults)
+    channel = AgentChannel(os.environ[SINK], Hello(run_id=config.run_id, rank=rank, generation=0, pid=os.getpid()))
+    guard = SdcGuard(SdcSpec(enabled=False), rank, WORLD_SIZE, 0, 0)
+    for cycle in range(count):
+        for name in PLAN:
+            target = trainer.state.step + BLOCK_STEPS
+            dist.barrier()
+            started = time.perf_counter()
+            if name == "plain":
+                plain_block(trainer, rank, BLOCK_STEPS)
+                checkpointer.save(trainer.state)
+            else:
+                supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, channel)
+                train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
+            if rank == 0:
+                results.put((cycle, name, time.perf_counter() - started))
+    checkpointer.wait()
+    channel.close()
+
+
+def serve_sink() -> str:
+    """A node agent's receiving end, reduced to reading and dropping every line."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def drain(connection: socket.socket) -> None:
+        with connection:
+            while connection.recv(1 << 16):
+                pass
+
+    def accept() -> None:
+        while True:
+            connection, _ = server.accept()
+            threading.Thread(target=drain, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def summary(timed: list[Block]) -> dict[str, object]:
+    hook_overheads = overheads(timed, "supervised", "plain")
+    overhead = statistics.median(hook_overheads)
+    return {
+        "bench": "supervision",
+        "world_size": WORLD_SIZE,
+        "device_ms": DEVICE_MS,
+        "cycles": len({c for c, _, _ in timed}) - 1,
+        "step_ms_plain": round(median_step_s(timed, "plain") * 1000, 2),
+        "step_ms_supervised": round(median_step_s(timed, "supervised") * 1000, 2),
+        "hooks_overhead": round(overhead, 4),
+        "hooks_overheads": [round(o, 4) for o in hook_overheads],
+        "bar": overhead < BAR,
+    }
+
+
+def main() -> None:
+    count = cycles(__doc__, quick=8, full=30)
+    os.environ[SINK] = serve_sink()
+    result = summary(measure(blocks, count, len(PLAN)))
+    rows = [
+        ("step time, plain", f"{result['step_ms_plain']} ms"),
+        ("step time, supervised", f"{result['step_ms_supervised']} ms"),
+        ("hooks (median over cycles)", f"{result['hooks_overhead']:+.2%}"),
+    ]
+    report("Supervision hooks against the same step without them", rows, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Paging on the pattern, not the count (seed 003 R5): every rule of `classify`, its edges, and which
+rule wins when several match."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.paging import PLANNED, PLANNED_CAUSES, PagingClass, classify
+from core.run import Cause, Interruption
+from tests.core.runs import at, interruption
+
+HOUR = 3600.0
+SEED_MTBF = 54 * 24 * HOUR / 419  # 3.1 h at 16,384 GPUs (seed 003 §2)
+PRIOR_MTBF = 6 * HOUR  # CheckpointSpec.prior_mtbf's default: what the workflow passes today
+
+
+def crash(hours: float, node: str, step: int, cause: Cause = Cause.CRASH, generation: int = 0) -> Interruption:
+    return interruption(at(hours=hours), cause, node=node, step=step, generation=generation)
+
+
+INDEPENDENT = (PagingClass.INDEPENDENT, "independent")
+SAME_STEP = (PagingClass.DETERMINISTIC, "same step twice")
+SAME_NODE = (PagingClass.CORRELATED, "same node twice")
+RATE = (PagingClass.CORRELATED, "failure rate anomaly")
+COLLAPSE = (PagingClass.CORRELATED, "goodput collapse")
+
+CASES = [
+    # -- independent failures never page (critique C5: 3 in 12 hours is the norm at 3.1 h) ------------
+    pytest.param(
+        [crash(0.5, "n1", 100), crash(6.0, "n2", 900)], crash(12.0, "n3", 1700), SEED_MTBF, 0.9, INDEPENDENT,
+        id="3 crashes in 12 h, different nodes and steps",
+    ),
+    pytest.param(
+        [crash(11.5, "n1", 1600)], crash(12.0, "n2", 1700), SEED_MTBF, None, INDEPENDENT,
+        id="2 in an hour is 28% likely at 3.1 h: no page",
+    ),
+    pytest.param([], crash(0.2, "n1", 10), SEED_MTBF, None, INDEPENDENT, id="the first failure"),
+    # -- same node twice: quarantine did not hold it out ------------------------------------------------
+    pytest.param(
+        [crash(1.0, "n1", 100)], crash(20.0, "n1", 2500), PRIOR_MTBF, None, SAME_NODE, id="same node, 19 h apart"
+    ),
+    pytest.param(
+        [crash(1.0, "n1", 100, Cause.NODE_LOST)], crash(5.0, "n1", 700, Cause.HANG), PRIOR_MTBF, None, SAME_NODE,
+        id="same node, different causes",
+    ),
+    pytest.param(
+        [interruption(at(hours=1), Cause.HANG, node=None, step=100)],
+        interruption(at(hours=5), Cause.HANG, node=None, step=700),
+        PRIOR_MTBF, None, INDEPENDENT,
+        id="no culprit named twice is not the same node",
+    ),
+    # -- failure rate over the last hour > 5x the baseline -----------------------------------------------
+    pytest.param(
+        [crash(10.0, "n1", 100), crash(10.4, "n2", 160)], crash(10.9, "n3", 230), PRIOR_MTBF, None, RATE,
+        id="3 in 54 min at a 6 h MTBF: 18x",
+    ),
+    pytest.param(
+        [crash(10.0, "n1", 100), crash(10.4, "n2", 160)], crash(11.1, "n3", 230), PRIOR_MTBF, None, INDEPENDENT,
+        id="the first fell 66 min before: outside the hour",
+    ),
+    pytest.param(
+        [crash(10.0, "n1", 100), crash(10.4, "n2", 160)], crash(10.9, "n3", 230), 0.5 * HOUR, None, INDEPENDENT,
+        id="3 in an hour at a 30 min MTBF: 1.5x",
+    ),
+    # -- goodput over the last hour below 0.3 ----------------------------------------------------------
+    pytest.param([crash(1.0, "n1", 100)], crash(9.0, "n2", 900), PRIOR_MTBF, 0.29, COLLAPSE, id="goodput 0.29"),
+    pytest.param([crash(1.0, "n1", 100)], crash(9.0, "n2", 900), PRIOR_MTBF, 0.30, INDEPENDENT, id="goodput 0.30"),
+    # -- the same step twice: data or code ---------------------------------------------------------------
+    pytest.param(
+        [crash(1.0, "n1", 500)], crash(3.0, "n2", 500, generation=1), PRIOR_MTBF, None, SAME_STEP,
+        id="crash at step 500 twice, different nodes",
+    ),
+    pytest.param(
+        [crash(1.0, "n1", 500)], crash(3.0, "n2", 500, Cause.HANG, generation=1), PRIOR_MTBF, None, SAME_STEP,
+        id="a crash then a hang at step 500",
+    ),
+    pytest.param(
+        [crash(1.0, "n1", 500, Cause.NODE_LOST)], crash(1.2, "n2", 500, Cause.NODE_LOST), PRIOR_MTBF, None,
+        INDEPENDENT,
+        id="two lost nodes with no step between: their step is the last known, not where they died",
+    ),
+    # -- precedence: the first rule that matches decides -----------------------------------------------
+    pytest.param(
+        [crash(1.0, "n1", 500)], crash(1.5, "n1", 500), PRIOR_MTBF, 0.1, SAME_STEP,
+        id="same step beats same node and collapse",
+    ),
+    pytest.param(
+        [crash(10.0, "n1", 100), crash(10.4, "n2", 160)], crash(10.9, "n1", 230), PRIOR_MTBF, 0.1, SAME_NODE,
+        id="same node beats rate and collapse",
+    ),
+    pytest.param(
+        [crash(10.0, "n1", 100), crash(10.4, "n2", 160)], crash(10.9, "n3", 230), PRIOR_MTBF, 0.1, RATE,
+        id="rate beats collapse",
+    ),
+    # -- planned interruptions count towards no rule -----------------------------------------------------
+    pytest.param(
+        [crash(1.0, "n1", 100, Cause.DRAIN)], crash(5.0, "n1", 700), PRIOR_MTBF, None, INDEPENDENT,
+        id="drained, then crashed: one failure of n1",
+    ),
+    pytest.param(
+        [crash(10.0, "n1", 100, Cause.PAUSE), crash(10.4, "n2", 160, Cause.DRAIN)], crash(10.9, "n3", 230),
+        PRIOR_MTBF, None, INDEPENDENT,
+        id="a pause and a drain are not a failure rate",
+    ),
+    pytest.param(
+        [crash(1.0, "n1", 500, Cause.ROLLBACK)], crash(3.0, "n2", 500), PRIOR_MTBF, None, INDEPENDENT,
+        id="rolled back at step 500, then crashed there",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("history", "latest", "baseline_mtbf", "goodput", "expected"), CASES)
+def test_classify(
+    history: list[Interruption],
+    latest: Interruption,
+    baseline_mtbf: float,
+    goodput: float | None,
+    expected: tuple[PagingClass, str],
+) -> None:
+    verdict = classify(history, latest, baseline_mtbf, goodput)
+    assert (verdict.paging, verdict.rule) == expected, verdict.evidence
+
+
+@pytest.mark.parametrize("cause", sorted(PLANNED_CAUSES))
+def test_a_planned_interruption_is_planned_whatever_its_history(cause: str) -> None:
+    history = [crash(1.0, "n1", 500), crash(1.2, "n2", 600), crash(1.4, "n3", 700)]
+    assert classify(history, crash(1.5, "n1", 500, Cause(cause)), PRIOR_MTBF, 0.0) == PLANNED
+
+
+def test_planned_causes_are_the_runs_planned_causes() -> None:
+    assert {Cause.DRAIN, Cause.PAUSE, Cause.ROLLBACK} == PLANNED_CAUSES
+
+
+def test_evidence_names_the_earlier_failure_at_that_step() -> None:
+    history = [crash(1.0, "n1", 300, Cause.HANG, generation=0), crash(2.0, "n2", 500, Cause.CRASH, generation=1)]
+    verdict = classify(history, crash(3.0, "n3", 500, Cause.HANG, generation=2), PRIOR_MTBF, None)
+    assert verdict.evidence == "hang at step 500 again (also crash in generation 1)"
+    assert "stop the run" in verdict.action

@@ -1,0 +1,102 @@
+"""The goodput ledger end to end: a run with a straggler, a crash and forced checkpoints accounts for
+every second of its wall-clock, files its pages where the spec says, and the supervisor's /metrics
+serves the same numbers to Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client, WorkflowHandle
+
+from core.run import Cause, RunState
+from tests.helpers import start, tiny_spec, wait_for_step, wait_until
+from workers.devstack import DevStack
+from workflows.run import RunWorkflow
+
+# Simulated device time keeps compute steady enough on two cores for the straggler check (test_detection).
+ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "20"]
+CATEGORIES = ("productive", "startup", "checkpoint", "lost", "recovery", "idle", "straggler")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The exposition's samples, 'name{labels}' → value."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
+
+
+def ledger_of(metrics: dict[str, float], run: str) -> dict[str, float]:
+    return {c: metrics.get(f'stayalive_ledger_seconds{{category="{c}",run_id="{run}"}}', -1.0) for c in CATEGORIES}
+
+
+async def scrape_run(url: str, handle: WorkflowHandle, crashes: int, timeout: float = 30.0) -> dict[str, float]:
+    """The run's series, once the supervisor's exporter has refreshed them (every few seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = scrape(url)
+        if metrics.get(f'stayalive_interruptions{{cause="crash",run_id="{handle.id}"}}') == crashes:
+            return metrics
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url} never served {handle.id}")
+
+
+async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
+    client: Client, stack: DevStack, checkpoint_root: Path, tmp_path: Path
+) -> None:
+    pages = tmp_path / "pages.jsonl"
+    spec = tiny_spec(
+        checkpoint_root,
+        entrypoint=ENTRYPOINT,
+        target_step=800,
+        checkpoint={"root": str(checkpoint_root), "interval": "100 steps"},
+        health={"straggler_steps": 20, "slowness_tally": "2s"},
+        paging={"jsonl": str(pages)},
+        faults=[
+            {"kind": "straggler", "rank": 2, "factor": 1.5, "from_step": 40},
+            {"kind": "crash", "rank": 1, "at_step": 250},
+        ],
+    )
+    handle = await start(client, spec, "ledger")
+    await wait_for_step(client, handle, 10)
+    await handle.signal(RunWorkflow.force_checkpoint)  # early: the crash still loses the steps since 200
+    await wait_until(handle, lambda s: any(d.kind == "straggler" for d in s.detections))
+    await wait_until(handle, lambda s: s.straggler_seconds > 0, timeout=30)
+    await wait_until(handle, lambda s: bool(s.interruptions) and s.interruptions[0].restart_seconds is not None)
+    await handle.signal(RunWorkflow.force_checkpoint)
+
+    # While it runs: /metrics serves the ledger, and its categories make up the wall-clock so far.
+    metrics = await scrape_run(stack.metrics_url, handle, crashes=1)
+    live = ledger_of(metrics, handle.id)
+    assert all(seconds >= 0 for seconds in live.values()), live
+    goodput = metrics[f'stayalive_goodput_ratio{{run_id="{handle.id}"}}']
+    assert sum(live.values()) == pytest.approx(live["productive"] / goodput, rel=0.01)
+    assert min(live["straggler"], live["startup"], live["lost"], live["recovery"]) > 0, live
+    assert metrics[f'stayalive_step_time_p50_seconds{{run_id="{handle.id}"}}'] > 0
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert [i.cause for i in result.interruptions] == [Cause.CRASH]
+
+    # The whole run: every category measured, nothing counted twice, the sum is the wall-clock.
+    book, status = result.ledger, await handle.query(RunWorkflow.status_query)
+    assert status.started_at is not None and status.finished_at is not None
+    wall = (status.finished_at - status.started_at).total_seconds()
+    costs = book.startup + book.checkpoint + book.lost + book.recovery + book.idle + book.straggler
+    assert book.wall == pytest.approx(wall, rel=0.01)
+    assert costs + book.productive == pytest.approx(wall, rel=0.01), "the categories add up to wall-clock"
+    assert min(book.startup, book.checkpoint, book.lost, book.recovery, book.straggler) > 0, book
+    assert book.idle == 0, "nothing waited for a person or a node"
+    assert book.straggler == pytest.approx(status.straggler_seconds)
+    forced = [c for c in status.checkpoints if c.step % 100 != 0]
+    assert len(forced) >= 2, "both forced checkpoints were written between the interval's"
+
+    # The crash was paged as independent: logged and filed in the digest, nobody woken.
+    (line,) = [json.loads(text) for text in pages.read_text().splitlines()]
+    assert (line["paging"], line["run_id"]) == ("independent", status.run_id)
+    assert "crash" in line["summary"] and line["action"].startswith("restarted automatically")

@@ -1,0 +1,249 @@
+"""Silent data corruption, caught inside the step (seed 003 §7 failure 3, R3, R6; DESIGN §7).
+
+Three layers, cheapest first:
+- invariants every step: a non-finite loss or gradient, or a gradient norm above `spike` × the
+  running p99, skips the update (every rank sees the same reduced gradient, so they all agree);
+- a bitwise self-check every N steps: one rank, rotating, recomputes its own micro-batch on the same
+  device with the same kernels and compares with `==`; any difference is a hardware fault;
+- a cross-rank check every ~10N steps: two ranks in different failure domains compute the same
+  micro-batch and compare at a tolerance calibrated on this run's ranks, which catches the rank that
+  is wrong the same way every time (a self-check cannot); a third rank breaks the tie.
+
+Results travel in three extra slots of the gradient all-reduce (no extra collective, no extra
+sync), so every rank knows at the same step whether to skip the update, whether a check passed (the
+verification watermark every checkpoint records), and who failed one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from core.spec import SdcSpec
+from core.telemetry import Anomaly, SdcCheck
+
+TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomputation is exactly 0
+TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-good hardware, × 5
+NORM_HISTORY = 200  # gradient norms kept for the running p99
+NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
+P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a quantile is not free
+FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
+
+
+def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+
+
+def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
+
+
+@dataclass
+class Verdict:
+    """What the reduced flags say about this step: the same on every rank."""
+
+    apply: bool = True  # apply the update
+    skipped: str = ""  # why not, when no check failed
+    failed: SdcCheck | None = None  # a check failed: stop here, the workflow rolls back
+    reports: list[Anomaly | SdcCheck] = field(default_factory=list)  # what this rank tells its agent
+
+
+class SdcGuard:
+    """One rank's checks for one generation. `last_verified` is the watermark: the newest step at which
+    a check passed, carried by every checkpoint this rank writes."""
+
+    def __init__(self, spec: SdcSpec, rank: int, world_size: int, generation: int, last_verified: int) -> None:
+        self.spec, self.rank, self.world_size, self.generation = spec, rank, world_size, generation
+        self.last_verified = last_verified
+        self.tolerance = spec.cross_check_tolerance if spec.cross_check_tolerance != "auto" else None
+        self.calibration = "configured in the run spec" if self.tolerance is not None else ""
+        self.norms: deque[float] = deque(maxlen=NORM_HISTORY)
+        self.p99 = math.inf  # of `norms`, refreshed every P99_EVERY norms
+        self.counted = 0  # norms appended
+
+    def checks(
+        self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]
+    ) -> list[SdcCheck]:
+        """The checks due at `step`, after this rank's backward. `compute_on(r)` recomputes rank r's
+        micro-batch of this step into the gradients (with this rank's kernels, without injected faults)."""
+        if not self.spec.enabled:
+            return []
+        due = []
+        if self.cross_check_due(step):
+            due.append(self.cross_check(step, params, compute_on))
+        if self.self_check_due(step):
+            due.append(self.self_check(step, params, lambda: compute_on(self.rank)))
+        return due
+
+    # -- the bitwise self-check ----------------------------------------------------------------------
+
+    def self_check_due(self, step: int) -> bool:
+        """One rank per check, rotating: every rank is covered once every `world_size` checks."""
+        every = self.spec.self_check_every
+        return step % every == 0 and self.rank == (step // every) % self.world_size
+
+    def self_check(self, step: int, params: list[torch.nn.Parameter], recompute: Callable[[], object]) -> SdcCheck:
+        first = flat_grads(params).clone()
+        recompute()
+        second = flat_grads(params)
+        differing = int((first != second).sum())
+        difference = float((first - second).norm() / first.norm().clamp_min(1e-30)) if differing else 0.0
+        set_grads(params, first)  # the step goes on (or stops) with what this rank computed first
+        return SdcCheck(
+            rank=self.rank,
+            generation=self.generation,
+            step=step,
+            method="self",
+            passed=differing == 0,
+            culprit=None if differing == 0 else self.rank,
+            difference=difference,
+            tolerance=0.0,
+            last_verified=self.last_verified,
+            detail=f"rank {self.rank} replayed its micro-batch: "
+            + ("bitwise equal" if differing == 0 else f"{differing} of {first.numel()} gradient elements differ"),
+        )
+
+    # -- the cross-rank check (a collective: every rank takes part) ----------------------------------
+
+    def cross_check_due(self, step: int) -> bool:
+        return self.world_size >= 3 and step % self.spec.cross_check_every == 0
+
+    def calibrate(self, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]) -> None:
+        """Every rank computes rank 0's micro-batch; 5 × the spread of their gradients on this run's
+        own hardware is the tolerance. The spread is the median relative distance to the mean of the
+        others, leaving out the rank farthest from everyone (it may be the bad one; the check exists
+        to catch it). A collective: every rank calls it, at the start of a generation."""
+        if not self.spec.enabled or self.tolerance is not None or self.world_size < 3:
+            return
+        compute_on(0)
+        mine = flat_grads(params).clone()
+        outlier = int(self._distances(mine, None).argmax())
+        spread = float(self._distances(mine, outlier).median())
+        self.tolerance = max(TOLERANCE_SIGMAS * spread, TOLERANCE_FLOOR)
+        self.calibration = (
+            f"{TOLERANCE_SIGMAS:g} × the spread of {self.world_size - 1} ranks on one batch at start-up "
+            f"({spread:.3g}), at least {TOLERANCE_FLOOR:g}"
+        )
+
+    def _distances(self, mine: torch.Tensor, left_out: int | None) -> torch.Tensor:
+        """Every rank's ‖g − mean‖ / ‖mean‖, the mean and the result without `left_out`."""
+        counted = self.rank != left_out
+        mean = mine.clone() if counted else torch.zeros_like(mine)
+        dist.all_reduce(mean)
+        mean /= self.world_size - (left_out is not None)
+        distances = torch.zeros(self.world_size)
+        if counted:
+            distances[self.rank] = float((mine - mean).norm() / mean.norm().clamp_min(1e-30))
+        dist.all_reduce(distances)
+        return distances if left_out is None else distances[torch.arange(self.world_size) != left_out]
+
+    def cross_check(self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]) -> SdcCheck:
+        """Ranks a and b (half the world apart: another failure domain) compute a's micro-batch; when
+        they disagree, c (a's neighbour) breaks the tie."""
+        assert self.tolerance is not None, "calibrate() first"
+        mine = flat_grads(params).clone()
+        a = (step // self.spec.cross_check_every) % self.world_size
+        b, c = (a + self.world_size // 2) % self.world_size, (a + 1) % self.world_size
+        difference = self._difference(params, mine, a, b, compute_on)
+        detail = f"ranks {a} and {b} computed rank {a}'s micro-batch: relative difference {difference:.3g}"
+        culprit = None
+        if difference > self.tolerance:
+            tie = self._difference(params, mine, a, c, compute_on)
+            culprit = b if tie <= self.tolerance else a
+            detail += f"; rank {c} sides with rank {a if culprit == b else b} (difference to rank {a}: {tie:.3g})"
+        set_grads(params, mine)
+        return SdcCheck(
+            rank=self.rank,
+            generation=self.generation,
+            step=step,
+            method="cross",
+            passed=culprit is None,
+            culprit=culprit,
+            difference=difference,
+            tolerance=self.tolerance,
+            last_verified=self.last_verified,
+            detail=f"{detail}; tolerance {self.tolerance:.3g} = {self.calibration}",
+        )
+
+    def _difference(
+        self, params: list[torch.nn.Parameter], mine: torch.Tensor, a: int, b: int, compute_on: Callable[[int], object]
+    ) -> float:
+        """‖g_a − g_b‖ / ‖g_a‖ for rank a's micro-batch computed on a and on b (one all-reduce)."""
+        delta = torch.zeros(mine.numel() + 1)
+        if self.rank == a:
+            delta[:-1] = mine
+            delta[-1] = mine.norm()
+        elif self.rank == b:
+            compute_on(a)
+            delta[:-1] = -flat_grads(params)
+            set_grads(params, mine)
+        dist.all_reduce(delta)
+        return float(delta[:-1].norm() / delta[-1].clamp_min(1e-30))
+
+    # -- the flags that ride the gradient all-reduce -------------------------------------------------
+
+    def flags(self, loss: torch.Tensor, grads: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
+        """[this rank's loss or gradient non-finite, 1 + the rank a self-check blames, a check passed].
+        Tensor ops only: no device sync before the all-reduce."""
+        if not self.spec.enabled:
+            return torch.zeros(3)
+        local_nonfinite = (~torch.isfinite(loss)).float() + (~torch.isfinite(grads)).any().float()
+        failed = next((c for c in checks if c.method == "self" and not c.passed), None)
+        passed = any(c.passed for c in checks if c.method == "self")
+        blamed = 0.0 if failed is None or failed.culprit is None else 1.0 + failed.culprit
+        return torch.stack([local_nonfinite.clamp(max=1.0), torch.tensor(blamed), torch.tensor(float(passed))])
+
+    def judge(
+        self, step: int, mine: torch.Tensor, reduced: torch.Tensor, grads: torch.Tensor, checks: list[SdcCheck]
+    ) -> Verdict:
+        """After the all-reduce (`mine`: this rank's flags, `reduced`: everyone's; `grads`: the reduced
+        gradient): the same verdict on every rank. Each report is sent by one rank: the checker (self),
+        rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
+        if not self.spec.enabled:
+            return Verdict()
+        _, blamed, passed = (float(x) for x in reduced)
+        reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
+        failed = next((c for c in checks if not c.passed), None)
+        if failed is None and blamed > 0:  # another rank's replay differed: stop with it
+            failed = SdcCheck(
+                rank=self.rank,
+                generation=self.generation,
+                step=step,
+                method="self",
+                passed=False,
+                culprit=int(blamed) - 1,
+                last_verified=self.last_verified,
+                detail=f"rank {int(blamed) - 1}'s replay differs",
+            )
+        if failed is not None:
+            return Verdict(apply=False, failed=failed, reports=reports)
+        if passed > 0 or checks:
+            self.last_verified = step
+        norm = float(grads.norm())  # one pass: a NaN or inf anywhere makes the norm non-finite too
+        if not math.isfinite(norm):
+            why = "non-finite loss or gradient"
+            if float(mine[0]) > 0:
+                reports.append(self._anomaly(step, "nonfinite", f"{why} on rank {self.rank}: update skipped"))
+            return Verdict(apply=False, skipped=why, reports=reports)
+        ceiling = self.spec.grad_spike_factor * self.p99
+        if norm > ceiling:
+            why = f"gradient norm {norm:.3g} > {ceiling:.3g} ({self.spec.grad_spike_factor:g} × the running p99)"
+            if self.rank == 0:
+                reports.append(self._anomaly(step, "grad_spike", f"{why}: update skipped"))
+            return Verdict(apply=False, skipped=why, reports=reports)
+        self.norms.append(norm)
+        self.counted += 1
+        if self.counted >= NORMS_BEFORE_SPIKES and self.counted % P99_EVERY == 0:
+            self.p99 = float(torch.tensor(list(self.norms)).quantile(0.99))
+        return Verdict(reports=reports)
+
+    def _anomaly(self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str) -> Anomaly:
+        return Anomaly(rank=self.rank, generation=self.generation, step=step, kind=kind, detail=detail)
