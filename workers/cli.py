@@ -185,7 +185,8 @@ async def checkpoints(args: argparse.Namespace) -> int:
 
 async def control(args: argparse.Namespace) -> int:
     """The signals and updates a person sends a run; a rejected update prints why."""
-    handle = (await _client(args)).get_workflow_handle_for(RunWorkflow.run, args.id)
+    client = await _client(args)
+    handle: WorkflowHandle[RunWorkflow, RunResult] = client.get_workflow_handle(args.id, result_type=RunResult)
     try:
         if args.command == "checkpoint":
             await handle.signal(RunWorkflow.force_checkpoint)

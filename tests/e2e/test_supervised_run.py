@@ -94,7 +94,7 @@ async def test_temporal_cli_starts_a_run(client: Client, stack: DevStack, checkp
         check=True,
         capture_output=True,
     )
-    result = await client.get_workflow_handle_for(RunWorkflow.run, run_id).result()
+    result = await client.get_workflow_handle(run_id, result_type=RunResult).result()
     assert result.state == RunState.COMPLETED
     assert result.final_step == 20
 
