@@ -242,23 +242,9 @@ class RunWorkflow:
             done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
             if not ask.done():
                 ask.cancel()
-            event = gen.monitor.result() if gen.monitor is not None and gen.monitor in done else None
-            if event is not None:
+            if gen.monitor is not None and gen.monitor in done:
+                event = gen.monitor.result()
                 self._on_monitor_event(event)
-            # What the node agents saw goes first: a rank that died or ranks that all finished explain
-            # a stall the watchdog reported in the same breath (a supervisor that was down sees both).
-            for node, task in gen.nodes.items():
-                if task in done:
-                    outcome = await self.outcome(node, task)
-                    if isinstance(outcome, RanksFinished):
-                        gen.finished.add(node)
-                    else:
-                        await incidents.failure(self, gen, outcome)
-                        return
-            if len(gen.finished) == len(gen.nodes):
-                await self._finish(gen)
-                return
-            if event is not None:
                 if isinstance(event, Hang):
                     await incidents.hang(self, gen, event)
                     return
@@ -281,6 +267,17 @@ class RunWorkflow:
             if gen.keeper is not None and gen.keeper in done:
                 self.on_checkpoint(gen.keeper.result())
                 gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
+            for node, task in gen.nodes.items():
+                if task in done:
+                    outcome = await self.outcome(node, task)
+                    if isinstance(outcome, RanksFinished):
+                        gen.finished.add(node)
+                    else:
+                        await incidents.failure(self, gen, outcome)
+                        return
+            if len(gen.finished) == len(gen.nodes):
+                await self._finish(gen)
+                return
             if self.requests:
                 await requests.carry_out(self, self.requests.pop(0), gen)
                 return
