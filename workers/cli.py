@@ -108,12 +108,12 @@ def stack_address(state_dir: Path) -> tuple[str, str | None]:
     return f"127.0.0.1:{record['port']}", ui
 
 
-def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
+async def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
     if DevStack.recorded(state_dir) is None:
         stack = DevStack(state_dir=state_dir, nodes=DEMO_NODES, spares=["n3"], detach=True)
         console.print("Starting the dev stack: Temporal dev server + web UI, supervisor worker, node agents n1 n2 n3 …")
         stack.start()
-        asyncio.run(stack.ready())
+        await stack.ready()
     return stack_address(state_dir)
 
 
