@@ -119,7 +119,7 @@ async def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
 
 async def demo(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    address, ui = ensure_stack(args.state_dir)
+    address, ui = await ensure_stack(args.state_dir)
     client = await connect(address)
     workflow_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     handle = await start_run(client, spec, workflow_id)
@@ -215,7 +215,7 @@ async def fleet(args: argparse.Namespace) -> int:
 
 def dev(args: argparse.Namespace) -> int:
     if args.action == "up":
-        address, ui = ensure_stack(args.state_dir)
+        address, ui = asyncio.run(ensure_stack(args.state_dir))
         console.print(
             f"Temporal at {address}; web UI {ui}; task queues: stayalive, " + ", ".join(f"node.{n}" for n in DEMO_NODES)
         )
