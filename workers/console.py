@@ -105,6 +105,7 @@ def ledger_table(book: Ledger) -> Table:
         "checkpoint (blocking)": book.checkpoint,
         "lost work (recomputed)": book.lost,
         "recovery (failure to first step)": book.recovery,
+        "straggler (slower than ideal steps)": book.straggler,
         "idle (waiting for a person or nodes)": book.idle,
     }
     for name, seconds in rows.items():
