@@ -87,6 +87,13 @@ class Verdict(BaseModel):
     action: str
 
 
+# A straggler whose node sent no GPU telemetry: nothing explains it, so it is treated as UNKNOWN
+# (core.eviction lets an unexplained straggler be evicted once, then asks a person).
+NO_TELEMETRY = Verdict(
+    diagnosis=Diagnosis.UNKNOWN, evidence="no GPU telemetry", evict=True, action="evict once, then ask a person"
+)
+
+
 Finding = Callable[[list[GpuHealth], list[GpuHealth], Limits], str | None]
 
 

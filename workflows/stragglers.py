@@ -20,7 +20,7 @@ from workflows import calls
 from workflows.incidents import page
 
 with workflow.unsafe.imports_passed_through():
-    from core.diagnosis import Diagnosis, Verdict
+    from core.diagnosis import NO_TELEMETRY, Diagnosis
     from core.escalation import Escalation, Strategy, costs, next_strategy
     from core.events import SlowdownFound, StragglerFound
     from core.eviction import Eviction, should_evict
@@ -77,9 +77,7 @@ async def climb(run: RunWorkflow) -> None:
     if ladder.generation != status.generation:  # the group was rebuilt: its ranks are not the ones measured
         status.escalation = None
         return
-    verdict = ladder.verdict or Verdict(
-        diagnosis=Diagnosis.UNKNOWN, evidence="no GPU telemetry", evict=True, action="evict once, then ask a person"
-    )
+    verdict = ladder.verdict or NO_TELEMETRY
     restart_s = measured_restart(run)
     compute_bound = verdict.diagnosis not in (Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION)
     prices = costs(restart_s, status.progress.step_seconds_p50, bool(run.spare_candidates()), compute_bound)
