@@ -120,9 +120,12 @@ def _delete(root: str, paths: list[str]) -> list[str]:
     for path in paths:
         try:
             shutil.rmtree(within_root(root, path))
-            deleted.append(path)
-        except (CheckpointError, FileNotFoundError) as exc:
+        except FileNotFoundError:
+            pass  # gone already (a torn write is removed when it is judged): deleted all the same
+        except CheckpointError as exc:
             log.warning("retention could not delete", path=path, error=str(exc))
+            continue
+        deleted.append(path)
     return deleted
 
 

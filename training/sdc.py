@@ -2,7 +2,8 @@
 
 Three layers, cheapest first:
 - invariants every step: a non-finite loss or gradient, or a gradient norm above `spike` × the
-  running p99, skips the update (every rank sees the same reduced gradient, so they all agree);
+  running p99, skips the update (every rank sees the same reduced gradient, so they all agree; one
+  norm of it finds a NaN or inf on any rank);
 - a bitwise self-check every N steps: one rank, rotating, recomputes its own micro-batch on the same
   device with the same kernels and compares with `==`; any difference is a hardware fault;
 - a cross-rank check every ~10N steps: two ranks in different failure domains compute the same
@@ -32,7 +33,7 @@ TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomput
 TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-good hardware, × 5
 NORM_HISTORY = 200  # gradient norms kept for the running p99
 NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
-P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a quantile is not free
+P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free
 FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
 
 
@@ -190,26 +191,31 @@ class SdcGuard:
 
     # -- the flags that ride the gradient all-reduce -------------------------------------------------
 
-    def flags(self, loss: torch.Tensor, grads: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
-        """[this rank's loss or gradient non-finite, 1 + the rank a self-check blames, a check passed].
-        Tensor ops only: no device sync before the all-reduce."""
+    def flags(self, loss: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
+        """[this rank's loss, 1 + the rank a self-check blames, a check passed]. Summed, the first slot
+        is the global loss: non-finite if any rank's is. Tensor ops only: no sync before the all-reduce."""
         if not self.spec.enabled:
-            return torch.zeros(3)
-        local_nonfinite = (~torch.isfinite(loss)).float() + (~torch.isfinite(grads)).any().float()
+            return torch.zeros(FLAGS)
         failed = next((c for c in checks if c.method == "self" and not c.passed), None)
         passed = any(c.passed for c in checks if c.method == "self")
         blamed = 0.0 if failed is None or failed.culprit is None else 1.0 + failed.culprit
-        return torch.stack([local_nonfinite.clamp(max=1.0), torch.tensor(blamed), torch.tensor(float(passed))])
+        return torch.cat([loss.detach().reshape(1).float(), torch.tensor([blamed, float(passed)])])
 
     def judge(
-        self, step: int, mine: torch.Tensor, reduced: torch.Tensor, grads: torch.Tensor, checks: list[SdcCheck]
+        self,
+        step: int,
+        local: tuple[torch.Tensor, torch.Tensor],
+        reduced: torch.Tensor,
+        grads: torch.Tensor,
+        checks: list[SdcCheck],
     ) -> Verdict:
-        """After the all-reduce (`mine`: this rank's flags, `reduced`: everyone's; `grads`: the reduced
-        gradient): the same verdict on every rank. Each report is sent by one rank: the checker (self),
-        rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
+        """After the all-reduce (`local`: this rank's loss and gradient before it, `reduced`: everyone's
+        flags summed, `grads`: the reduced gradient): the same verdict on every rank. Each report is
+        sent by one rank: the checker (self), rank 0 (cross, grad spike), the rank whose numbers went
+        non-finite."""
         if not self.spec.enabled:
             return Verdict()
-        _, blamed, passed = (float(x) for x in reduced)
+        loss, blamed, passed = reduced.tolist()
         reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
         failed = next((c for c in checks if not c.passed), None)
         if failed is None and blamed > 0:  # another rank's replay differed: stop with it
@@ -227,10 +233,12 @@ class SdcGuard:
             return Verdict(apply=False, failed=failed, reports=reports)
         if passed > 0 or checks:
             self.last_verified = step
-        norm = float(grads.norm())  # one pass: a NaN or inf anywhere makes the norm non-finite too
-        if not math.isfinite(norm):
+        # One pass over what the all-reduce returned: a NaN or inf on any rank reaches the summed
+        # gradient and loss, so only a step that has one looks at this rank's own numbers.
+        norm = float(grads.norm())
+        if not (math.isfinite(norm) and math.isfinite(loss)):
             why = "non-finite loss or gradient"
-            if float(mine[0]) > 0:
+            if not all(bool(torch.isfinite(t).all()) for t in local):
                 reports.append(self._anomaly(step, "nonfinite", f"{why} on rank {self.rank}: update skipped"))
             return Verdict(apply=False, skipped=why, reports=reports)
         ceiling = self.spec.grad_spike_factor * self.p99
@@ -242,7 +250,7 @@ class SdcGuard:
         self.norms.append(norm)
         self.counted += 1
         if self.counted >= NORMS_BEFORE_SPIKES and self.counted % P99_EVERY == 0:
-            self.p99 = float(torch.tensor(list(self.norms)).quantile(0.99))
+            self.p99 = sorted(self.norms)[math.ceil(0.99 * len(self.norms)) - 1]  # nearest rank
         return Verdict(reports=reports)
 
     def _anomaly(self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str) -> Anomaly:

@@ -107,6 +107,8 @@ class Supervision:
         self._acted = dict.fromkeys(_KINDS, 0)  # commands all ranks acted on, per kind
         self._last_checkpoint = time.monotonic()
         self._speeds: list[float] = []  # of the newest rebalance command received
+        self._vote: list[float] = []
+        self._vote_tensor = torch.zeros(VOTES)
 
     def votes(self) -> torch.Tensor:
         """This rank's vote, to ride the gradient all-reduce (SUM): how many commands of each kind it has
@@ -119,7 +121,10 @@ class Supervision:
                     self._speeds = message.speeds if message.kind == "rebalance" else self._speeds
         every = self.config.every_seconds
         due_by_time = every is not None and time.monotonic() - self._last_checkpoint >= every
-        return torch.tensor([*(self._seen[k] for k in _KINDS), float(due_by_time)])
+        vote = [*(float(self._seen[k]) for k in _KINDS), float(due_by_time)]
+        if vote != self._vote:  # the same vote as last step, most steps: its tensor is reused
+            self._vote, self._vote_tensor = vote, torch.tensor(vote)
+        return self._vote_tensor
 
     def decide(self, step: int, votes: torch.Tensor) -> Decision:
         """After `step`, from every rank's `votes` summed: checkpoint now, hold, stop, rebalance.
@@ -130,13 +135,14 @@ class Supervision:
         largest count): the same command seen later by the others is not news again, a newer one is,
         and no command is acted on more often than commands were sent."""
         world = self.world_size
-        sums = {kind: round(float(v)) for kind, v in zip(_KINDS, votes[: len(_KINDS)], strict=True)}
+        *counts, due_by_time = votes.tolist()
+        sums = {kind: round(count) for kind, count in zip(_KINDS, counts, strict=True)}
         news = {kind: sums[kind] > world * self._acted[kind] for kind in _KINDS}
         every_steps = self.config.every_steps
         checkpoint = (
             news["hold"]
             or news["checkpoint"]
-            or float(votes[-1]) > 0
+            or due_by_time > 0
             or (every_steps is not None and step % every_steps == 0)
             or step == self.config.target_step
         )

@@ -112,15 +112,13 @@ def train(
         # One flat all-reduce (SUM: each rank's loss is already its share of the global mean) that
         # also carries the SDC flags and the control vote, so agreeing on them costs no collective.
         grads = flat_grads(params)
-        mine = guard.flags(loss, grads, checks)
-        flat = torch.cat([grads, mine, supervision.votes()])
+        flat = torch.cat([grads, guard.flags(loss, checks), supervision.votes()])
         dist.all_reduce(flat)
         reduced, flags, votes = flat.split([grads.numel(), FLAGS, VOTES])
         set_grads(params, reduced)
-        verdict = guard.judge(step, mine, flags, reduced, checks)
+        verdict = guard.judge(step, (loss, grads), flags, reduced, checks)
         if verdict.apply:
             state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
         state.last_verified = guard.last_verified
         if verdict.skipped:
             log.warning("update skipped", why=verdict.skipped)

@@ -95,6 +95,10 @@ async def endpoints(status: RunStatus, fresh_store: bool) -> list[NodeEndpoint]:
     known = {e.node: e for e in status.endpoints}
     host = status.nodes[0]
     answer_within = status.spec.health.node_heartbeat_timeout
+    for node in status.nodes:
+        if node not in known:  # new to the run, or back: its agent numbers the run's records from 1 again
+            status.telemetry_cursor.pop(node, None)
+            status.checkpoint_cursor.pop(node, None)
     asked = [n for n in status.nodes if n not in known or (n == host and fresh_store)]
     answers = await asyncio.gather(
         *(calls.prepare(status.run_id, status.generation, n, n == host, answer_within) for n in asked)
