@@ -24,7 +24,7 @@ from core.checkpoints import norm_problem
 from core.launch import NodeEndpoint
 from core.run import CheckpointRecord
 from core.telemetry import CheckpointCommitted
-from training.checkpoint import CheckpointError, checkpoint_order, read_manifest, within_root
+from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_manifest, within_root
 from training.validate import TestLoad
 
 log = structlog.get_logger()
@@ -168,7 +168,7 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
         name = entry.name.removeprefix(".").removesuffix(".tmp")
         if not name.startswith("step-") or name in input.known:
             continue
-        step, generation = checkpoint_order(name)
+        step, generation = parse_checkpoint_dirname(name)
         if entry.name.endswith(".tmp"):
             if generation < input.generation:
                 reason = "never committed: a writer died before every shard and the manifest were written"

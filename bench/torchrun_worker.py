@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from core.telemetry import StepReport
 from training import train
-from training.checkpoint import MANIFEST, checkpoint_order
+from training.checkpoint import MANIFEST, parse_checkpoint_dirname
 from training.supervision import Supervision
 
 
@@ -40,7 +40,7 @@ def record(event: str, **fields: object) -> None:
 def newest_checkpoint(directory: Path) -> Path | None:
     """The newest committed checkpoint: a `step-*` directory with its manifest (written last)."""
     committed = [p for p in directory.glob("step-*") if (p / MANIFEST).is_file()]
-    return max(committed, key=lambda p: checkpoint_order(p.name), default=None)
+    return max(committed, key=lambda p: parse_checkpoint_dirname(p.name), default=None)
 
 
 def instrument(restart: int) -> None:

@@ -291,7 +291,10 @@ class HangWatchdog:
         """Every rank has completed `step` at time `at`, the step having taken `step_s` seconds."""
         if step <= self.last_step:
             return
-        self.last_step, self.last_progress_at = step, at
+        # A monitor that starts behind (restarted, reading a backlog) must not date progress before
+        # its own start: it did not watch that time, so the time cannot count as a stall.
+        self.last_step = step
+        self.last_progress_at = at if self.last_progress_at is None else max(at, self.last_progress_at)
         self._seconds[self._next % self._seconds.size] = step_s
         self._next += 1
 

@@ -26,7 +26,7 @@ from core.fleet import EvictionOutcome, Quarantine
 from core.fleet_requests import Grant
 from core.launch import NodeLaunch
 from core.run import CheckpointRecord, Progress
-from training.checkpoint import checkpoint_dirname, checkpoint_order
+from training.checkpoint import checkpoint_dirname, parse_checkpoint_dirname
 from training.supervision import SupervisionConfig
 
 # The key of the checkpoint cursor: the sequence number of the last checkpoint the workflow recorded.
@@ -172,7 +172,7 @@ class SimulatedCluster:
         if (planned := run.generations.get(launch.generation)) is not None:
             return planned
         config = SupervisionConfig.from_env(launch.env)
-        resume = checkpoint_order(config.resume_from.name)[0] if config.resume_from else 0
+        resume = parse_checkpoint_dirname(config.resume_from.name)[0] if config.resume_from else 0
         crash = self.schedule.crash_in(launch.generation)
         if crash is not None and resume + crash.after_steps < config.target_step:
             crash, last = replace(crash, rank=crash.rank % launch.world_size), resume + crash.after_steps

@@ -67,8 +67,8 @@ def checkpoint_dirname(step: int, generation: int) -> str:
     return f"step-{step:08d}-g{generation}"
 
 
-def checkpoint_order(name: str) -> tuple[int, int]:
-    """`step-00000400-g1` → (400, 1): the order in which checkpoints were written."""
+def parse_checkpoint_dirname(name: str) -> tuple[int, int]:
+    """`step-00000400-g1` → (400, 1): step and generation, as `checkpoint_dirname` wrote them."""
     step, generation = name.removeprefix("step-").split("-g")
     return int(step), int(generation)
 

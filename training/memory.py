@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 from core.telemetry import FileHeader, GetFile, PutFile
-from training.checkpoint import CheckpointError, checkpoint_order, within_root
+from training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
 
 # Checkpoints per run kept in memory: the newest, and the one before it while the newest is validated.
 KEEP = 2
@@ -39,8 +39,12 @@ def memory_path(root: Path, run_id: str, checkpoint: str, file: str) -> Path:
 def prune(root: Path, run_id: str, keep: int = KEEP) -> None:
     run = root / run_id
     if run.is_dir():
-        names = sorted((d for d in run.iterdir() if _CHECKPOINT.match(d.name)), key=lambda d: checkpoint_order(d.name))
-        checkpoints = list(names)
+        # Oldest first in the order they were written: by generation, then step (the generation after
+        # a rollback writes lower steps than the one before it, and those are the newest).
+        checkpoints = sorted(
+            (d for d in run.iterdir() if _CHECKPOINT.match(d.name)),
+            key=lambda d: parse_checkpoint_dirname(d.name)[::-1],
+        )
         for stale in checkpoints[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -370,7 +370,10 @@ class RunWorkflow:
             # supervisor restart): take its verdicts until the final checkpoint's is among them.
             if gen.monitor is not None:
                 gen.monitor.cancel()
-            while not any(c.step == target and c.generation == gen.number for c in self.status.checkpoints):
+            # A generation that resumed from the target's own checkpoint has nothing more to write.
+            while not any(
+                c.step == target and (c.generation == gen.number or c.resumable) for c in self.status.checkpoints
+            ):
                 keeper = gen.keeper
                 try:
                     await workflow.wait_condition(keeper.done, timeout=FINAL_VERDICT_WITHIN)

@@ -259,6 +259,17 @@ def test_watchdog_counts_progress_not_liveness() -> None:
     assert not overdue(now=100.0, last_progress_at=0.0, timeout=100.0)
 
 
+def test_a_restarted_watchdog_does_not_date_a_backlog_before_its_start() -> None:
+    """A monitor restarted after its supervisor died reads steps the ranks reported while nobody
+    watched: those steps are progress, but not evidence that progress stopped long ago."""
+    watchdog = HangWatchdog(configured=10.0)
+    watchdog.last_progress_at = 5000.0  # the restarted monitor's start
+    watchdog.progress(1, at=4980.0, step_s=0.05)  # reported 20 s before the monitor started
+    assert watchdog.last_step == 1
+    assert not watchdog.overdue(5009.0)
+    assert watchdog.overdue(5010.5)
+
+
 # ── culprit ──────────────────────────────────────────────────────────────────────────────────────────
 
 WRITER = """Thread 0x00007f3a2d7fe6c0 (most recent call first):

@@ -53,7 +53,8 @@ async def test_node_agent_killed_mid_run(client: Client, stack: DevStack, checkp
     assert "replaced n2 with spare n3" in lost.actions
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["n1", "n3"]
-    assert all(c.validated for c in status.checkpoints), "no checkpoint lost"
+    committed = [c for c in status.checkpoints if "never committed" not in c.reason]  # a write the kill tore
+    assert all(c.validated for c in committed), "no committed checkpoint lost"
 
 
 async def test_temporal_server_killed_and_restarted_on_its_database(
