@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 
 from core.run import RunState
 from tests.helpers import REFERENCE_STEPS, final_state, start, tiny_spec, wait_for_fleet
@@ -19,6 +21,18 @@ async def settled_fleet(client: Client) -> None:
     await wait_for_fleet(
         client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2", "n3"))
     )
+
+
+@pytest.fixture(autouse=True)
+async def no_run_outlives_its_test(client: Client) -> AsyncIterator[None]:
+    """A test that fails mid-run leaves its run holding nodes: cancel it (a cancelled run gives its
+    nodes back), so one failure stays one failure instead of failing every test after it."""
+    yield
+    async for execution in client.list_workflows("WorkflowType = 'RunWorkflow' AND ExecutionStatus = 'Running'"):
+        handle = client.get_workflow_handle(execution.id)
+        await handle.cancel()
+        with contextlib.suppress(WorkflowFailureError, TimeoutError):
+            await asyncio.wait_for(handle.result(), timeout=60)
 
 
 @pytest.fixture(scope="session")
