@@ -1,9 +1,9 @@
 """The rank's line to its node agent: reports go up without ever blocking a step, commands come down.
 
 One TCP connection per rank to the agent on the same host. A background thread writes reports and
-another reads commands, so the training loop only ever touches two in-memory queues. The writer
-wakes on a clock, not per report: appending to a deque costs a step nothing, where waking a thread
-for every step's report costs a context switch on the rank's cores.
+another reads commands, so the training loop only ever touches two in-memory queues. Reports are
+serialized on the writer thread, off the step's path, and sent as soon as they are made: a rank that
+crashes should have told its agent how far it got.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from core.telemetry import ToRank, to_rank
 
 log = structlog.get_logger()
 
-FLUSH_EVERY_S = 0.05  # the most a report waits to go up: well inside any timeout the monitor keeps
 PENDING_MAX = 100_000  # reports held while the agent is not reading; beyond it, they are dropped
 
 
@@ -32,7 +31,8 @@ class AgentChannel:
         self._sock = socket.create_connection((host, int(port)), timeout=10)
         self._sock.settimeout(None)
         self._pending: deque[BaseModel] = deque()
-        self._closing = threading.Event()
+        self._wake = threading.Event()
+        self._closing = False
         self._inbox: queue.Queue[ToRank] = queue.Queue()
         self.dropped = 0
         self.send(hello)
@@ -46,7 +46,8 @@ class AgentChannel:
         if len(self._pending) >= PENDING_MAX:
             self.dropped += 1  # telemetry is best-effort; a step is never held up for it
             return
-        self._pending.append(message)  # serialized on the writer thread, off the step's path
+        self._pending.append(message)
+        self._wake.set()
 
     def received(self) -> list[ToRank]:
         """What the agent sent since the last call, without waiting."""
@@ -64,7 +65,8 @@ class AgentChannel:
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending (the final reports matter), then hang up."""
-        self._closing.set()
+        self._closing = True
+        self._wake.set()
         self._writer.join(timeout)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -72,7 +74,9 @@ class AgentChannel:
 
     def _write(self) -> None:
         while True:
-            closing = self._closing.wait(FLUSH_EVERY_S)
+            self._wake.wait()
+            self._wake.clear()  # before draining: a report appended from here on wakes the next round
+            closing = self._closing
             lines = []
             while self._pending:  # popleft and append are atomic: no lock with the training thread
                 lines.append(self._pending.popleft().model_dump_json().encode() + b"\n")
