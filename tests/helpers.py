@@ -67,11 +67,18 @@ async def wait_until(
 
 
 async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[int, int]]:
-    """node → {rank: pid}, from the run_ranks heartbeats (what the UI's pending activities show)."""
-    description = await handle.describe()
+    """node → {rank: pid}, from the run_ranks heartbeats (what the UI's pending activities show), once
+    every node's has arrived (a node's first heartbeat can trail the run's first steps)."""
+    deadline = time.monotonic() + 30
+    while True:
+        description = await handle.describe()
+        launches = [a for a in description.raw_description.pending_activities if a.activity_type.name == "run_ranks"]
+        if (launches and all(a.heartbeat_details.payloads for a in launches)) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
     pids: dict[str, dict[int, int]] = {}
-    for activity in description.raw_description.pending_activities:
-        if activity.activity_type.name == "run_ranks" and activity.heartbeat_details.payloads:
+    for activity in launches:
+        if activity.heartbeat_details.payloads:
             details = (await client.data_converter.decode(activity.heartbeat_details.payloads))[0]
             pids[details["node"]] = {int(rank): int(pid) for rank, pid in details["pids"].items()}
     return pids
