@@ -1,10 +1,11 @@
 """What supervision costs a training step: the hooks on against the same step without them.
 
-The hooks are what a supervised rank does beyond a plain data-parallel step: the control vote after
-each step (one all-reduce of a few command numbers, so every rank acts on a command at the same
-step), a step report to its node agent (a line handed to a background thread; the agent here is a
-TCP sink in this process), and the flag slots the SDC checks would use in the gradient all-reduce.
-Both variants run in the same ranks, interleaved (bench/interleaved.py):
+The hooks are what a supervised rank does beyond a plain data-parallel step: the control vote (how
+many commands of each kind the rank has received, in a few extra slots of the gradient all-reduce,
+so every rank acts on a command at the same step), a step report to its node agent (serialized and
+sent by a writer thread; the agent here is a TCP sink in this process), and the flag slots the SDC
+checks would use. Both variants run in the same ranks, interleaved (bench/interleaved.py), in the
+order plain, supervised, supervised, plain, so that a drift across a cycle cancels:
 
     plain       forward, backward, gradient all-reduce, optimizer step: a torchrun script's step
     supervised  training/train.py's loop, SDC checks off: the same step, plus the hooks
@@ -48,7 +49,7 @@ from training.supervision import Supervision, SupervisionConfig
 from training.train import Trainer, train
 
 BAR = 0.01
-PLAN = ("plain", "supervised")
+PLAN = ("plain", "supervised", "supervised", "plain")
 SINK = "STAYALIVE_BENCH_SINK"  # where ranks send their reports: host:port of the sink
 
 
@@ -126,7 +127,7 @@ def summary(timed: list[Block]) -> dict[str, object]:
 
 
 def main() -> None:
-    count = cycles(__doc__, quick=8, full=30)
+    count = cycles(__doc__, quick=4, full=15)
     os.environ[SINK] = serve_sink()
     result = summary(measure(blocks, count, len(PLAN)))
     rows = [
