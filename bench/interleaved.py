@@ -11,18 +11,21 @@ overhead. The first cycle warms up and is not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import statistics
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from training.checkpointer import Checkpointer
 from training.train import Trainer, parse_args
 from workers.devstack import free_port
 
@@ -67,6 +70,20 @@ def measure(body: RankBody, cycles: int, blocks_per_cycle: int) -> list[Block]:
             if process.exitcode != 0:
                 raise SystemExit(f"a rank exited with {process.exitcode}")
     return blocks
+
+
+@contextlib.contextmanager
+def timed_block(
+    rank: int, cycle: int, variant: str, checkpointer: Checkpointer, results: Queue[Block]
+) -> Iterator[None]:
+    """Time one block from a common start on every rank; rank 0 reports it. The last block's
+    checkpoint write ends first, so it does not overlap (and add noise to) this one."""
+    checkpointer.wait()
+    dist.barrier()
+    started = time.perf_counter()
+    yield
+    if rank == 0:
+        results.put((cycle, variant, time.perf_counter() - started))
 
 
 def overheads(blocks: list[Block], variant: str, baseline: str) -> list[float]:

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from multiprocessing.queues import Queue
 from pathlib import Path
-
-import torch.distributed as dist
 
 from bench.interleaved import (
     BLOCK_STEPS,
@@ -37,6 +34,7 @@ from bench.interleaved import (
     median_step_s,
     overheads,
     report,
+    timed_block,
 )
 from core.spec import SdcSpec
 from training.faults import FaultInjector
@@ -62,12 +60,8 @@ def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Que
         for name in PLAN:
             target = trainer.state.step + BLOCK_STEPS
             supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, None)
-            checkpointer.wait()  # the last block's write ends before this block is timed: no overlap noise
-            dist.barrier()
-            started = time.perf_counter()
-            train(trainer.state, trainer.stream, supervision, checkpointer, faults, guards[name], DEVICE_MS / 1000)
-            if rank == 0:
-                results.put((cycle, name, time.perf_counter() - started))
+            with timed_block(rank, cycle, name, checkpointer, results):
+                train(trainer.state, trainer.stream, supervision, checkpointer, faults, guards[name], DEVICE_MS / 1000)
     checkpointer.wait()
 
 

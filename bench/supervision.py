@@ -39,6 +39,7 @@ from bench.interleaved import (
     median_step_s,
     overheads,
     report,
+    timed_block,
 )
 from core.spec import SdcSpec
 from core.telemetry import Hello
@@ -77,17 +78,13 @@ def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Que
     for cycle in range(count):
         for name in PLAN:
             target = trainer.state.step + BLOCK_STEPS
-            checkpointer.wait()  # the last block's write ends before this block is timed: no overlap noise
-            dist.barrier()
-            started = time.perf_counter()
-            if name == "plain":
-                plain_block(trainer, rank, BLOCK_STEPS)
-                checkpointer.save(trainer.state)
-            else:
-                supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, channel)
-                train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
-            if rank == 0:
-                results.put((cycle, name, time.perf_counter() - started))
+            supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, channel)
+            with timed_block(rank, cycle, name, checkpointer, results):
+                if name == "plain":
+                    plain_block(trainer, rank, BLOCK_STEPS)
+                    checkpointer.save(trainer.state)
+                else:
+                    train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
     checkpointer.wait()
     channel.close()
 
