@@ -42,10 +42,15 @@ async def records(
     followers = [asyncio.create_task(_follow(run_id, e, after, only, queue)) for e in endpoints]
     try:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands as a
+            # record arrives (gh-86296), and a cancelled monitor or keeper would then run on forever.
             try:
-                yield await asyncio.wait_for(queue.get(), timeout=1.0)
+                async with asyncio.timeout(1.0):
+                    record = await queue.get()
             except TimeoutError:
                 yield None
+            else:
+                yield record
     finally:
         for follower in followers:
             follower.cancel()

@@ -198,7 +198,7 @@ class SimulatedCluster:
             step_seconds=self.step_seconds,
             blocking_seconds=self.blocking_seconds,
         )
-        self._notify()
+        self.notify()
         return planned
 
     def generation(self, run_id: str, number: int) -> SimulatedGeneration | None:
@@ -207,14 +207,14 @@ class SimulatedCluster:
 
     def take_first_step(self, generation: SimulatedGeneration) -> None:
         generation.first_step_taken = True
-        self._notify()
+        self.notify()
 
     def take_checkpoints(self, run_id: str, cursor: int) -> None:
         """The workflow has recorded every checkpoint up to `cursor`."""
         run = self._runs.setdefault(run_id, _Run())
         if cursor > run.recorded:
             run.recorded = cursor
-            self._notify()
+            self.notify()
 
     def caught_up(self, generation: SimulatedGeneration) -> bool:
         """The workflow has recorded everything the generation reported before its end."""
@@ -254,6 +254,7 @@ class SimulatedCluster:
             self.holders[node] = None
         return released
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake every wait on the cluster (sim/activities.until)."""
         self.changed.set()
         self.changed = asyncio.Event()
