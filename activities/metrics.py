@@ -1,16 +1,17 @@
 """Prometheus metrics of every open run, for the supervisor worker's `/metrics`.
 
 The numbers live in the runs' workflow state; this only reads them. `refresh` asks each running
-RunWorkflow for its `health` and `timeline` queries every few seconds and `Exporter` turns the
-answers into gauges, so a scrape never touches Temporal and a Temporal outage freezes the numbers
-instead of failing the scrape. Interruption counts are gauges of the timeline's totals: the
-timeline is the source of truth, and a counter incremented here would double-count on restart.
+RunWorkflow for its `health` query every few seconds and `Exporter` turns the answer into gauges, so
+a scrape never touches Temporal and a Temporal outage freezes the numbers instead of failing the
+scrape. One query, so that the ledger and the interruption counts come from one workflow state (two
+queries can straddle an interruption and serve its count without its cost). Interruption counts are
+gauges of the timeline's totals: the timeline is the source of truth, and a counter incremented here
+would double-count on restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from datetime import timedelta
 from wsgiref.simple_server import WSGIServer
 
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from temporalio.client import Client
 
 from core.health import Health
-from core.run import Cause, Interruption
+from core.run import Cause
 
 log = structlog.get_logger()
 
@@ -51,7 +52,7 @@ class Exporter:
         self._causes: dict[str, set[str]] = {}  # per run, the cause labels it has series for
         self._server: WSGIServer | None = None
 
-    def update(self, run_id: str, health: Health, interruptions_by_cause: dict[str, int]) -> None:
+    def update(self, run_id: str, health: Health) -> None:
         book = health.ledger
         self.goodput.labels(run_id).set(book.goodput)
         for category in LEDGER_CATEGORIES:
@@ -65,9 +66,9 @@ class Exporter:
         # Every known cause, zeros included: a series that appears only at its first event hides the
         # step from nothing to one from `increase()`.
         causes = self._causes.setdefault(run_id, set())
-        causes |= {c.value for c in Cause} | set(interruptions_by_cause)
+        causes |= {c.value for c in Cause} | set(health.interruptions_by_cause)
         for cause in causes:
-            self.interruptions.labels(run_id, cause).set(interruptions_by_cause.get(cause, 0))
+            self.interruptions.labels(run_id, cause).set(health.interruptions_by_cause.get(cause, 0))
         self.runs.add(run_id)
 
     def forget(self, run_id: str) -> None:
@@ -107,23 +108,17 @@ async def refresh_once(client: Client, exporter: Exporter) -> set[str]:
     """One pass: query every open run, update its gauges, forget runs that closed. Returns the open
     runs' workflow ids. A run whose queries fail keeps its last numbers until it closes."""
     open_runs = [execution.id async for execution in client.list_workflows(OPEN_RUNS)]
-    answers = await asyncio.gather(*(_read(client, run) for run in open_runs), return_exceptions=True)
+    answers = await asyncio.gather(*(_health(client, run) for run in open_runs), return_exceptions=True)
     for run, answer in zip(open_runs, answers, strict=True):
         if isinstance(answer, BaseException):
             log.warning("metrics query failed", run_id=run, error=str(answer))
             continue
-        health, timeline = answer
-        exporter.update(run, health, dict(Counter(i.cause.value for i in timeline)))
+        exporter.update(run, answer)
     for closed in exporter.runs - set(open_runs):
         exporter.forget(closed)
     return set(open_runs)
 
 
-async def _read(client: Client, workflow_id: str) -> tuple[Health, list[Interruption]]:
-    # By query name, not RunWorkflow's methods: activities never import workflow code.
-    handle = client.get_workflow_handle(workflow_id)
-    health, timeline = await asyncio.gather(
-        handle.query("health", result_type=Health, rpc_timeout=QUERY_TIMEOUT),
-        handle.query("timeline", result_type=list[Interruption], rpc_timeout=QUERY_TIMEOUT),
-    )
-    return health, timeline
+async def _health(client: Client, workflow_id: str) -> Health:
+    # By query name, not RunWorkflow's method: activities never import workflow code.
+    return await client.get_workflow_handle(workflow_id).query("health", result_type=Health, rpc_timeout=QUERY_TIMEOUT)

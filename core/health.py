@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
 
 from pydantic import BaseModel
@@ -27,6 +28,7 @@ class Health(BaseModel):
     nodes: list[str]
     world_size: int
     interruptions: int
+    interruptions_by_cause: dict[str, int]  # the timeline's counts, read in the same state as the ledger
     last_checkpoint: CheckpointRecord | None
     checkpoint_interval_s: float | None
     checkpoint_cost_s: float | None  # C: the blocking seconds of the newest validated checkpoint
@@ -52,6 +54,7 @@ class Health(BaseModel):
             nodes=status.nodes,
             world_size=status.world_size,
             interruptions=len(status.interruptions),
+            interruptions_by_cause=dict(Counter(i.cause.value for i in status.interruptions)),
             last_checkpoint=status.latest_valid_checkpoint(),
             checkpoint_interval_s=checkpoint_interval_s,
             checkpoint_cost_s=valid[-1].blocking_seconds if valid else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 
 import pytest
@@ -18,18 +18,20 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from activities.metrics import OPEN_RUNS, Exporter, refresh_once
 from core.health import Health
-from core.run import Cause, Interruption, Progress
+from core.run import Cause, Progress
 from tests.core.runs import at, checkpoint, interruption, status
 from workers.devstack import temporal_binary
 
 
-def health(checkpoint_interval_s: float | None = 817.0) -> Health:
-    """A run 6 h old: 5 min startup, a crash at 3 h losing 200 steps of 2 s and restarting in 600 s."""
+def health(checkpoint_interval_s: float | None = 817.0, *, earlier: Sequence[Cause] = ()) -> Health:
+    """A run 6 h old: 5 min startup, a crash at 3 h losing 200 steps of 2 s and restarting in 600 s,
+    after interruptions of the `earlier` causes that cost nothing."""
+    costless = [interruption(at(minutes=10 + n), cause, restart_seconds=0.0) for n, cause in enumerate(earlier)]
     run = status(
         first_step_at=at(minutes=5),
         progress=Progress(step=9000, step_seconds_p50=2.0, step_seconds_max=2.5),
         checkpoints=[checkpoint(at(hours=1), 30.0)],
-        interruptions=[interruption(at(hours=3), lost_steps=200, restart_seconds=600.0)],
+        interruptions=[*costless, interruption(at(hours=3), lost_steps=200, restart_seconds=600.0)],
     )
     return Health.of(run, at(hours=6), checkpoint_interval_s)
 
@@ -51,7 +53,7 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_update_then_scrape(exporter: Exporter) -> None:
     port = exporter.serve(0)
-    exporter.update("run-a", health(), {"crash": 3, "hang": 1})
+    exporter.update("run-a", health(earlier=[Cause.CRASH, Cause.CRASH, Cause.HANG]))
     metrics = scrape(port)
     assert metrics['stayalive_goodput_ratio{run_id="run-a"}'] == pytest.approx((21600 - 1330) / 21600)
     assert metrics['stayalive_ledger_seconds{category="recovery",run_id="run-a"}'] == 600.0
@@ -69,18 +71,18 @@ def test_update_then_scrape(exporter: Exporter) -> None:
 
 def test_runs_are_labelled_apart_and_forgotten_whole(exporter: Exporter) -> None:
     port = exporter.serve(0)
-    exporter.update("run-a", health(), {"crash": 1})
-    exporter.update("run-b", health(checkpoint_interval_s=None), {})
+    exporter.update("run-a", health())
+    exporter.update("run-b", health(checkpoint_interval_s=None))
     metrics = scrape(port)
     assert 'stayalive_checkpoint_interval_seconds{run_id="run-b"}' not in metrics  # fixed in steps: no value
-    assert metrics['stayalive_interruptions{cause="crash",run_id="run-b"}'] == 0
+    assert metrics['stayalive_interruptions{cause="hang",run_id="run-b"}'] == 0
     exporter.forget("run-a")
     assert not [k for k in scrape(port) if 'run_id="run-a"' in k]
     assert exporter.runs == {"run-b"}
 
 
 def test_the_registry_is_its_own(exporter: Exporter) -> None:
-    exporter.update("run-a", health(), {})
+    exporter.update("run-a", health())
     assert REGISTRY.get_sample_value("stayalive_goodput_ratio", {"run_id": "run-a"}) is None
     assert exporter.registry.get_sample_value("stayalive_goodput_ratio", {"run_id": "run-a"}) is not None
     assert "python_gc_objects_collected_total" not in str(list(exporter.registry.collect()))
@@ -117,22 +119,21 @@ class FakeClient:
 
 
 async def test_refresh_reads_each_open_run_by_query_name_and_forgets_closed_ones(exporter: Exporter) -> None:
-    timeline = [interruption(at(hours=h), cause) for h, cause in [(1, Cause.CRASH), (2, Cause.CRASH), (3, Cause.HANG)]]
     client = FakeClient(
         {
-            "run-a": {"health": health(), "timeline": timeline},
-            "run-b": {"health": health(), "timeline": []},
-            "run-c": {"health": RuntimeError("query timed out"), "timeline": []},
+            "run-a": {"health": health(earlier=[Cause.CRASH])},
+            "run-b": {"health": health()},
+            "run-c": {"health": RuntimeError("query timed out")},
         }
     )
-    exporter.update("run-c", health(), {"crash": 5})  # from an earlier pass
-    exporter.update("run-old", health(), {})  # closed since
+    exporter.update("run-c", health(earlier=[Cause.CRASH] * 4))  # from an earlier pass
+    exporter.update("run-old", health())  # closed since
     assert await refresh_once(cast(Client, client), exporter) == {"run-a", "run-b", "run-c"}
     assert client.queries == [OPEN_RUNS]
-    assert set(client.asked) == {("health", Health), ("timeline", list[Interruption])}
+    assert client.asked == [("health", Health)] * 3, "one query per run: ledger and counts from one state"
     value = exporter.registry.get_sample_value
     assert value("stayalive_interruptions", {"run_id": "run-a", "cause": "crash"}) == 2
-    assert value("stayalive_interruptions", {"run_id": "run-a", "cause": "hang"}) == 1
+    assert value("stayalive_interruptions", {"run_id": "run-a", "cause": "hang"}) == 0
     assert value("stayalive_interruptions", {"run_id": "run-c", "cause": "crash"}) == 5  # kept: query failed
     assert exporter.runs == {"run-a", "run-b", "run-c"}
     assert value("stayalive_goodput_ratio", {"run_id": "run-old"}) is None
@@ -140,13 +141,12 @@ async def test_refresh_reads_each_open_run_by_query_name_and_forgets_closed_ones
 
 # -- against a real Temporal dev server ------------------------------------------------------------------
 
-HEALTH = health()
-TIMELINE = [interruption(at(hours=1), Cause.CRASH), interruption(at(hours=2), Cause.NODE_LOST)]
+HEALTH = health(earlier=[Cause.NODE_LOST])
 
 
 @workflow.defn(name="RunWorkflow")
 class StandIn:
-    """Answers RunWorkflow's `health` and `timeline` queries and does nothing else."""
+    """Answers RunWorkflow's `health` query and does nothing else."""
 
     @workflow.run
     async def run(self) -> None:
@@ -155,10 +155,6 @@ class StandIn:
     @workflow.query
     def health(self) -> Health:
         return HEALTH
-
-    @workflow.query
-    def timeline(self) -> list[Interruption]:
-        return TIMELINE
 
 
 async def test_refresh_against_a_dev_server(exporter: Exporter) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,13 @@ def ledger_of(metrics: dict[str, float], run: str) -> dict[str, float]:
     return {c: metrics.get(f'stayalive_ledger_seconds{{category="{c}",run_id="{run}"}}', -1.0) for c in CATEGORIES}
 
 
-async def scrape_run(url: str, handle: WorkflowHandle, crashes: int, timeout: float = 30.0) -> dict[str, float]:
-    """The run's series, once the supervisor's exporter has refreshed them (every few seconds)."""
+async def scrape_run(url: str, handle: WorkflowHandle, wall_seen: float, timeout: float = 30.0) -> dict[str, float]:
+    """The run's series, once the supervisor's exporter has refreshed them (every few seconds) from a
+    state at least as new as one the test has seen: its ledger covers at least `wall_seen` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = scrape(url)
-        if metrics.get(f'stayalive_interruptions{{cause="crash",run_id="{handle.id}"}}') == crashes:
+        if sum(ledger_of(metrics, handle.id).values()) >= wall_seen:
             return metrics
         await asyncio.sleep(0.5)
     raise TimeoutError(f"{url} never served {handle.id}")
@@ -67,11 +69,14 @@ async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
     await handle.signal(RunWorkflow.force_checkpoint)  # early: the crash still loses the steps since 200
     await wait_until(handle, lambda s: any(d.kind == "straggler" for d in s.detections))
     await wait_until(handle, lambda s: s.straggler_seconds > 0, timeout=30)
-    await wait_until(handle, lambda s: bool(s.interruptions) and s.interruptions[0].restart_seconds is not None)
+    seen = await wait_until(handle, lambda s: bool(s.interruptions) and s.interruptions[0].restart_seconds is not None)
+    assert seen.started_at is not None
+    wall_seen = (datetime.now(UTC) - seen.started_at).total_seconds()
     await handle.signal(RunWorkflow.force_checkpoint)
 
     # While it runs: /metrics serves the ledger, and its categories make up the wall-clock so far.
-    metrics = await scrape_run(stack.metrics_url, handle, crashes=1)
+    metrics = await scrape_run(stack.metrics_url, handle, wall_seen)
+    assert metrics[f'stayalive_interruptions{{cause="crash",run_id="{handle.id}"}}'] == 1
     live = ledger_of(metrics, handle.id)
     assert all(seconds >= 0 for seconds in live.values()), live
     goodput = metrics[f'stayalive_goodput_ratio{{run_id="{handle.id}"}}']
