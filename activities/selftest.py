@@ -179,5 +179,6 @@ async def _heartbeating(details: dict[str, str]) -> AsyncIterator[None]:
         yield
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # gather, not suppress(CancelledError): a cancel of this activity landing here must not be
+        # swallowed along with the heartbeat task's own.
+        await asyncio.gather(task, return_exceptions=True)
