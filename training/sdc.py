@@ -37,8 +37,9 @@ P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, an
 FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
 
 
-def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+def flat_grads(params: list[torch.nn.Parameter], *tail: torch.Tensor) -> torch.Tensor:
+    """Every gradient in one new flat tensor, then `tail` (slots that ride the same all-reduce)."""
+    return torch.cat([*(p.grad.reshape(-1) for p in params if p.grad is not None), *tail])
 
 
 def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
@@ -204,15 +205,15 @@ class SdcGuard:
     def judge(
         self,
         step: int,
-        local: tuple[torch.Tensor, torch.Tensor],
+        local: tuple[torch.Tensor, list[torch.nn.Parameter]],
         reduced: torch.Tensor,
         grads: torch.Tensor,
         checks: list[SdcCheck],
     ) -> Verdict:
-        """After the all-reduce (`local`: this rank's loss and gradient before it, `reduced`: everyone's
-        flags summed, `grads`: the reduced gradient): the same verdict on every rank. Each report is
-        sent by one rank: the checker (self), rank 0 (cross, grad spike), the rank whose numbers went
-        non-finite."""
+        """After the all-reduce, before the reduced gradient is set (`local`: this rank's loss and the
+        parameters still holding its own gradients, `reduced`: everyone's flags summed, `grads`: the
+        reduced gradient): the same verdict on every rank. Each report is sent by one rank: the
+        checker (self), rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
         if not self.spec.enabled:
             return Verdict()
         loss, blamed, passed = reduced.tolist()
@@ -238,7 +239,9 @@ class SdcGuard:
         norm = float(grads.norm())
         if not (math.isfinite(norm) and math.isfinite(loss)):
             why = "non-finite loss or gradient"
-            if not all(bool(torch.isfinite(t).all()) for t in local):
+            own_loss, params = local
+            mine = [own_loss, *(p.grad for p in params if p.grad is not None)]
+            if not all(bool(torch.isfinite(t).all()) for t in mine):
                 reports.append(self._anomaly(step, "nonfinite", f"{why} on rank {self.rank}: update skipped"))
             return Verdict(apply=False, skipped=why, reports=reports)
         ceiling = self.spec.grad_spike_factor * self.p99

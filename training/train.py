@@ -111,12 +111,11 @@ def train(
         compute_s = time.perf_counter() - started
         # One flat all-reduce (SUM: each rank's loss is already its share of the global mean) that
         # also carries the SDC flags and the control vote, so agreeing on them costs no collective.
-        grads = flat_grads(params)
-        flat = torch.cat([grads, guard.flags(loss, checks), supervision.votes()])
+        flat = flat_grads(params, guard.flags(loss, checks), supervision.votes())
         dist.all_reduce(flat)
-        reduced, flags, votes = flat.split([grads.numel(), FLAGS, VOTES])
+        reduced, flags, votes = flat.split([flat.numel() - FLAGS - VOTES, FLAGS, VOTES])
+        verdict = guard.judge(step, (loss, params), flags, reduced, checks)  # params: still this rank's gradients
         set_grads(params, reduced)
-        verdict = guard.judge(step, (loss, grads), flags, reduced, checks)
         if verdict.apply:
             state.optimizer.step()
         state.last_verified = guard.last_verified
