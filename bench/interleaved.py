@@ -1,11 +1,14 @@
-"""Interleaved blocks: the way bench/sdc.py and bench/supervision.py measure an overhead of a few
-tenths of a percent on a shared two-core host.
+"""Interleaved blocks: the way bench/sdc.py and bench/supervision.py measure an overhead of about
+one percent on a shared two-core host.
 
 Real ranks (gloo, the tiny GPT with `--device-ms` of simulated accelerator time per micro-batch, so
 compute dominates a step as it does on a GPU) run blocks of steps, cycling through a plan of
-variants in the same processes. Neighbouring blocks share the machine's state, so each block is
-compared with the mean of the baseline blocks around it, and the median over cycles is the
-overhead. The first cycle warms up and is not counted.
+variants in the same processes. The host's noise is white over a few steps and drifts beyond that
+(4 ranks on 2 cores: means of 100 steps spread twice as much as white noise would leave), so short
+blocks in a symmetric plan cancel the drift, and many cycles average the white part. The overhead
+is the ratio of the variant's mean block time to the baseline's over all counted cycles, with a 95%
+interval from resampling whole cycles (a cycle's blocks share their moment on the machine). The
+first cycle warms up and is not counted.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
+import numpy as np
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
@@ -31,7 +36,7 @@ from workers.devstack import free_port
 
 WORLD_SIZE = 4
 DEVICE_MS = 20
-BLOCK_STEPS = 100
+RESAMPLES = 4000
 
 Block = tuple[int, str, float]  # (cycle, variant, seconds)
 RankBody = Callable[[int, Trainer, int, str, "Queue[Block]"], None]  # rank, trainer, cycles, scratch dir, results
@@ -86,20 +91,40 @@ def timed_block(
         results.put((cycle, variant, time.perf_counter() - started))
 
 
-def overheads(blocks: list[Block], variant: str, baseline: str) -> list[float]:
-    """Per counted cycle: each `variant` block against the mean of the `baseline` blocks of its cycle."""
-    counted = sorted({cycle for cycle, _, _ in blocks})[1:]
-    result = []
-    for cycle in counted:
-        mine = [s for c, name, s in blocks if c == cycle and name == variant]
-        base = statistics.fmean(s for c, name, s in blocks if c == cycle and name == baseline)
-        result += [s / base - 1 for s in mine]
-    return result
+@dataclass(frozen=True)
+class Overhead:
+    """How much longer `variant` blocks took than `baseline` blocks, with a 95% interval."""
+
+    point: float
+    low: float
+    high: float
+
+    def figures(self) -> list[float]:
+        return [round(self.point, 4), round(self.low, 4), round(self.high, 4)]
 
 
-def median_step_s(blocks: list[Block], variant: str) -> float:
-    counted = sorted({cycle for cycle, _, _ in blocks})[1:]
-    return statistics.median(s / BLOCK_STEPS for c, name, s in blocks if c in counted and name == variant)
+def counted_cycles(blocks: list[Block]) -> list[int]:
+    return sorted({cycle for cycle, _, _ in blocks})[1:]
+
+
+def overhead(blocks: list[Block], variant: str, baseline: str) -> Overhead:
+    """Σ over counted cycles of the variant's mean block time, against the same of the baseline's,
+    less one; the interval resamples cycles (seeded, so a rerun on the same blocks agrees)."""
+
+    def mean_block_s(cycle: int, which: str) -> float:
+        return statistics.fmean(s for c, name, s in blocks if c == cycle and name == which)
+
+    per_cycle = np.array([[mean_block_s(c, variant), mean_block_s(c, baseline)] for c in counted_cycles(blocks)])
+    picks = np.random.default_rng(0).integers(0, len(per_cycle), (RESAMPLES, len(per_cycle)))
+    resampled = per_cycle[picks].sum(axis=1)
+    low, high = np.percentile(resampled[:, 0] / resampled[:, 1] - 1, [2.5, 97.5])
+    totals = per_cycle.sum(axis=0)
+    return Overhead(point=float(totals[0] / totals[1] - 1), low=float(low), high=float(high))
+
+
+def median_step_s(blocks: list[Block], variant: str, block_steps: int) -> float:
+    counted = counted_cycles(blocks)
+    return statistics.median(s / block_steps for c, name, s in blocks if c in counted and name == variant)
 
 
 def cycles(doc: str | None, quick: int, full: int) -> int:
