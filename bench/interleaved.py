@@ -107,14 +107,17 @@ def counted_cycles(blocks: list[Block]) -> list[int]:
     return sorted({cycle for cycle, _, _ in blocks})[1:]
 
 
+def mean_block_s(blocks: list[Block], cycle: int, variant: str) -> float:
+    """The mean time of the cycle's blocks of `variant`."""
+    return statistics.fmean(s for c, name, s in blocks if c == cycle and name == variant)
+
+
 def overhead(blocks: list[Block], variant: str, baseline: str) -> Overhead:
     """Σ over counted cycles of the variant's mean block time, against the same of the baseline's,
     less one; the interval resamples cycles (seeded, so a rerun on the same blocks agrees)."""
-
-    def mean_block_s(cycle: int, which: str) -> float:
-        return statistics.fmean(s for c, name, s in blocks if c == cycle and name == which)
-
-    per_cycle = np.array([[mean_block_s(c, variant), mean_block_s(c, baseline)] for c in counted_cycles(blocks)])
+    per_cycle = np.array(
+        [[mean_block_s(blocks, c, variant), mean_block_s(blocks, c, baseline)] for c in counted_cycles(blocks)]
+    )
     picks = np.random.default_rng(0).integers(0, len(per_cycle), (RESAMPLES, len(per_cycle)))
     resampled = per_cycle[picks].sum(axis=1)
     low, high = np.percentile(resampled[:, 0] / resampled[:, 1] - 1, [2.5, 97.5])
