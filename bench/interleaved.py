@@ -99,8 +99,8 @@ class Overhead:
     low: float
     high: float
 
-    def figures(self) -> list[float]:
-        return [round(self.point, 4), round(self.low, 4), round(self.high, 4)]
+    def interval(self) -> list[float]:
+        return [round(self.low, 4), round(self.high, 4)]
 
 
 def counted_cycles(blocks: list[Block]) -> list[int]:

@@ -12,8 +12,7 @@ cycle cancels:
 
 The `self` blocks are compared with the `off` blocks. A cross-check runs every 1,000 steps by
 default: its cost (the `cross` block minus the `self` blocks around it) is amortised over ten
-blocks. The first cycle warms up (and calibrates the cross-check tolerance)
-and is not counted.
+blocks. The first cycle warms up (and calibrates the cross-check tolerance) and is not counted.
 
 The bar (issue 7): the self-check every 100 steps costs at most 1% of the run's time, shown met
 when the whole 95% interval is within it.
@@ -86,7 +85,7 @@ def summary(timed: list[Block]) -> dict[str, object]:
         "cycles": len(counted),
         "step_ms_off": round(step_off_s * 1000, 2),
         "self_check_overhead": round(self_check.point, 4),
-        "self_check_overhead_ci95": self_check.figures()[1:],
+        "self_check_overhead_ci95": self_check.interval(),
         "cross_check_ms": round(cross_s * 1000, 1),
         "cross_check_overhead_at_default_cadence": round(cross_amortised, 4),
         "total_overhead_at_default_cadence": round(self_check.point + cross_amortised, 4),

@@ -205,18 +205,19 @@ class SdcGuard:
     def judge(
         self,
         step: int,
-        local: tuple[torch.Tensor, list[torch.nn.Parameter]],
+        loss: torch.Tensor,
+        params: list[torch.nn.Parameter],
         reduced: torch.Tensor,
         grads: torch.Tensor,
         checks: list[SdcCheck],
     ) -> Verdict:
-        """After the all-reduce, before the reduced gradient is set (`local`: this rank's loss and the
-        parameters still holding its own gradients, `reduced`: everyone's flags summed, `grads`: the
-        reduced gradient): the same verdict on every rank. Each report is sent by one rank: the
+        """After the all-reduce, before the reduced gradient is set (`loss`: this rank's, `params`: still
+        holding this rank's own gradients, `reduced`: everyone's flags summed, `grads`: the reduced
+        gradient): the same verdict on every rank. Each report is sent by one rank: the
         checker (self), rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
         if not self.spec.enabled:
             return Verdict()
-        loss, blamed, passed = reduced.tolist()
+        total_loss, blamed, passed = reduced.tolist()
         reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
         failed = next((c for c in checks if not c.passed), None)
         if failed is None and blamed > 0:  # another rank's replay differed: stop with it
@@ -237,10 +238,9 @@ class SdcGuard:
         # One pass over what the all-reduce returned: a NaN or inf on any rank reaches the summed
         # gradient and loss, so only a step that has one looks at this rank's own numbers.
         norm = float(grads.norm())
-        if not (math.isfinite(norm) and math.isfinite(loss)):
+        if not (math.isfinite(norm) and math.isfinite(total_loss)):
             why = "non-finite loss or gradient"
-            own_loss, params = local
-            mine = [own_loss, *(p.grad for p in params if p.grad is not None)]
+            mine = [loss, *(p.grad for p in params if p.grad is not None)]
             if not all(bool(torch.isfinite(t).all()) for t in mine):
                 reports.append(self._anomaly(step, "nonfinite", f"{why} on rank {self.rank}: update skipped"))
             return Verdict(apply=False, skipped=why, reports=reports)

@@ -114,7 +114,7 @@ def train(
         flat = flat_grads(params, guard.flags(loss, checks), supervision.votes())
         dist.all_reduce(flat)
         reduced, flags, votes = flat.split([flat.numel() - FLAGS - VOTES, FLAGS, VOTES])
-        verdict = guard.judge(step, (loss, params), flags, reduced, checks)  # params: still this rank's gradients
+        verdict = guard.judge(step, loss, params, flags, reduced, checks)  # params: still this rank's gradients
         set_grads(params, reduced)
         if verdict.apply:
             state.optimizer.step()
