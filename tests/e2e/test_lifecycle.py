@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 
 from core.fleet import NodeState
 from core.fleet_requests import Acquire, Release
@@ -44,10 +44,17 @@ def samples_once(reports: list[StepReport], resumed: list[int], target: int) -> 
     return sorted(consumed) == list(range(target * GLOBAL_BATCH))
 
 
+async def running_past(client: Client, handle: WorkflowHandle, step: int) -> None:
+    """A rank has reported `step` and the workflow is RUNNING, the state a drain is accepted in. On a
+    loaded host a rank's step can show before the workflow has heard of the generation's first one."""
+    await wait_for_step(client, handle, step)
+    await wait_until(handle, lambda s: s.state == RunState.RUNNING)
+
+
 async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, checkpoint_root: Path) -> None:
     handle = await start(client, tiny_spec(checkpoint_root, target_step=150), "drain-spare")
     collector = RecordCollector(handle)
-    await wait_for_step(client, handle, 30)
+    await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
     assert "replaced n2 with spare n3" in outcome
@@ -74,7 +81,10 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     resize = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "replace_node"))
     relaunch = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "run_ranks"))
     resume = next(i for i, e in enumerate(after) if e[:2] == ("completed", "monitor_run"))
-    assert 0 < wait < checkpoint < resize < relaunch < resume
+    # The checkpoint is of the held step, so it was written after the wait; but the keeper judging it
+    # runs beside `await_hold`, and its verdict can be recorded first (seen once in four clean runs).
+    # What the sequence needs is that the group changes only once both are in.
+    assert min(wait, checkpoint) > 0 and max(wait, checkpoint) < resize < relaunch < resume
     reports = [r.message for r in collector.stop() if isinstance(r.message, StepReport)]
     assert samples_once(reports, [drain.step or 0], 150), "no sample lost or repeated across the resize"
 
@@ -83,7 +93,7 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
     spec = tiny_spec(checkpoint_root, target_step=120, spare_nodes=[], min_nodes=1)
     handle = await start(client, spec, "drain-shrink")
     collector = RecordCollector(handle)
-    await wait_for_step(client, handle, 30)
+    await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="shrink"))
     assert "continuing on 1 nodes" in outcome
@@ -101,7 +111,7 @@ async def test_below_the_minimum_the_run_waits_for_a_node(client: Client, checkp
     fleet = fleet_handle(client)
     await fleet.execute_update(FleetWorkflow.acquire, Acquire(run_id="blocker/00000000", wanted=["n3"]))
     handle = await start(client, tiny_spec(checkpoint_root, target_step=120), "wait-for-node")
-    await wait_for_step(client, handle, 30)
+    await running_past(client, handle, 30)
     drain = asyncio.ensure_future(handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="out")))
     await wait_until(handle, lambda s: s.state == RunState.STOPPED and "waiting for nodes" in s.failure)
     await asyncio.sleep(3)  # nobody trains while the run is below its minimum
