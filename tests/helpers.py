@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -140,11 +141,17 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
 
 
 async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str, str, object]]:
-    """The run's activities in history order: ("scheduled", type, summary) and ("completed", type, result)."""
+    """The run's activities in history order: ("scheduled", type, summary) and ("completed", type,
+    result); a local activity, recorded once when it is done, as ("local", type, result)."""
     types: dict[int, str] = {}
     log: list[tuple[str, str, object]] = []
     async for event in handle.fetch_history_events():
-        if event.HasField("activity_task_scheduled_event_attributes"):
+        if event.marker_recorded_event_attributes.marker_name == "core_local_activity":
+            details = event.marker_recorded_event_attributes.details
+            marker = json.loads(details["data"].payloads[0].data)
+            result = await client.data_converter.decode(details["result"].payloads)
+            log.append(("local", marker["activity_type"], result[0] if result else None))
+        elif event.HasField("activity_task_scheduled_event_attributes"):
             name = event.activity_task_scheduled_event_attributes.activity_type.name
             types[event.event_id] = name
             summary = await client.data_converter.decode([event.user_metadata.summary])

@@ -133,8 +133,10 @@ async def acquire(run_id: str, nodes: list[str]) -> Grant:
 
 
 async def replace(request: Replace) -> Replacement:
+    """A local activity, like the page: every interruption that names a node replaces it, and the
+    fleet is one update away in the supervisor itself."""
     spares = ", ".join(request.candidates) or "none listed"
-    return await workflow.execute_activity_method(
+    return await workflow.execute_local_activity_method(
         FleetActivities.replace_node,
         request,
         start_to_close_timeout=QUICK,
@@ -216,11 +218,16 @@ async def dump_stacks(run_id: str, node: str) -> NodeStacks:
 
 
 async def send_page(message: Page) -> None:
-    """Log the page and file it in the JSONL digest (awaited: local and quick). A page that wants a
-    person also goes to the webhook in an activity of its own, not awaited: its retries, spaced out
-    over an hour, never hold the run back."""
-    await workflow.execute_activity(
-        page, message, start_to_close_timeout=QUICK, summary=f"{message.paging.value}: {message.summary}"
+    """Log the page and file it in the JSONL digest: a local activity, in the supervisor beside the
+    workflow, because every interruption pages and a local one costs its history one marker, not
+    three activity events and a workflow task. A page that wants a person also goes to the webhook
+    in an activity of its own, not awaited: its retries, spaced out over an hour, never hold the run
+    back."""
+    await workflow.execute_local_activity(
+        page,
+        message,
+        start_to_close_timeout=timedelta(seconds=10),
+        summary=f"{message.paging.value}: {message.summary}",
     )
     if message.webhook_url and message.paging != PagingClass.INDEPENDENT:
         workflow.start_activity(

@@ -78,7 +78,7 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
         for i, (kind, name, result) in enumerate(after)
         if (kind, name) == ("completed", "keep_checkpoints") and result["checkpoint"]["step"] == drain.step  # type: ignore[index]
     )
-    resize = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "replace_node"))
+    resize = next(i for i, e in enumerate(after) if e[:2] == ("local", "replace_node"))
     relaunch = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "run_ranks"))
     resume = next(i for i, e in enumerate(after) if e[:2] == ("completed", "monitor_run"))
     # The checkpoint is of the held step, so it was written after the wait; but the keeper judging it
