@@ -3,7 +3,8 @@
 One TCP connection per rank to the agent on the same host. A background thread writes reports and
 another reads commands, so the training loop only ever touches two in-memory queues. Reports are
 serialized on the writer thread, off the step's path, and sent as soon as they are made: a rank that
-crashes should have told its agent how far it got.
+crashes should have told its agent how far it got. The report queue is a `queue.SimpleQueue` (C, one
+lock): a `threading.Event` woken every step cost the training thread measurably more CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import queue
 import socket
 import threading
-from collections import deque
 
 import structlog
 from pydantic import BaseModel
@@ -30,9 +30,7 @@ class AgentChannel:
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=10)
         self._sock.settimeout(None)
-        self._pending: deque[BaseModel] = deque()
-        self._wake = threading.Event()
-        self._closing = False
+        self._pending: queue.SimpleQueue[BaseModel | None] = queue.SimpleQueue()  # None: hang up after the rest
         self._inbox: queue.Queue[ToRank] = queue.Queue()
         self.dropped = 0
         self.send(hello)
@@ -43,11 +41,10 @@ class AgentChannel:
         atexit.register(self.close)  # a rank that exits (sys.exit too) sends what is pending first
 
     def send(self, message: BaseModel) -> None:
-        if len(self._pending) >= PENDING_MAX:
+        if self._pending.qsize() >= PENDING_MAX:
             self.dropped += 1  # telemetry is best-effort; a step is never held up for it
             return
-        self._pending.append(message)
-        self._wake.set()
+        self._pending.put(message)
 
     def received(self) -> list[ToRank]:
         """What the agent sent since the last call, without waiting."""
@@ -65,8 +62,7 @@ class AgentChannel:
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is pending (the final reports matter), then hang up."""
-        self._closing = True
-        self._wake.set()
+        self._pending.put(None)
         self._writer.join(timeout)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -74,19 +70,18 @@ class AgentChannel:
 
     def _write(self) -> None:
         while True:
-            self._wake.wait()
-            self._wake.clear()  # before draining: a report appended from here on wakes the next round
-            closing = self._closing
-            lines = []
-            while self._pending:  # popleft and append are atomic: no lock with the training thread
-                lines.append(self._pending.popleft().model_dump_json().encode() + b"\n")
+            messages = [self._pending.get()]  # wait for the next report, then take what queued behind it
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    messages.append(self._pending.get_nowait())
+            lines = [m.model_dump_json().encode() + b"\n" for m in messages if m is not None]
             try:
                 if lines:
                     self._sock.sendall(b"".join(lines))
             except OSError as exc:
                 log.warning("agent channel closed", error=str(exc))
                 return
-            if closing:
+            if None in messages:
                 return
 
     def _read(self) -> None:
