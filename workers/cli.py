@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
@@ -298,5 +300,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> NoReturn:
+    """The `stayalive` command. It leaves without Python's teardown: the Temporal client's Rust threads
+    can outlive the event loop and abort a finalizing interpreter ("PyGILState_Release ... must be
+    current", temporalio/sdk-python#300), which turned a completed demo into exit status 134."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
