@@ -192,6 +192,9 @@ class Checkpointer:
         write_atomically(tmp / MANIFEST, body)
         final = self.directory / name
         tmp.rename(final)
+        # Injected damage lands the moment the checkpoint is committed: a rank stopped a little later
+        # (the crash that follows in a test, on a loaded host) must not leave it whole.
+        self.faults.checkpoint_committed(staged.step, final)
         fsync_dir(self.directory)
         if self.tier is not None:  # the manifest is small: every node's tier gets a copy
             local = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
@@ -201,7 +204,6 @@ class Checkpointer:
         else:
             shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
         log.info("checkpoint committed", path=str(final))
-        self.faults.checkpoint_committed(staged.step, final)
         self.on_commit(manifest, final)
 
 

@@ -55,9 +55,14 @@ DAMAGE = {
 async def test_a_damaged_checkpoint_is_caught_and_never_resumed_from(
     client: Client, checkpoint_root: Path, damage: str
 ) -> None:
+    # The crash comes at step 32: a rank reaches it only after every rank has finished step 31's
+    # all-reduce, so after every rank's save at step 30 waited out its write of step 20. Step 20 is
+    # then committed and damaged for sure (a crash at 25 could beat its write on a loaded host). Step
+    # 30, still being written, is damaged too, so the newest checkpoint that can be resumed is 10.
     faults = [
         {"kind": "corrupt_checkpoint", "at_step": 20, "damage": damage, "shard": 2},
-        {"kind": "crash", "rank": 1, "at_step": 25},
+        {"kind": "corrupt_checkpoint", "at_step": 30, "damage": damage, "shard": 2},
+        {"kind": "crash", "rank": 1, "at_step": 32},
     ]
     handle = await start(client, tiny_spec(checkpoint_root, target_step=40, faults=faults), f"damage-{damage}")
     result = await handle.result()
