@@ -207,17 +207,17 @@ class SdcGuard:
         step: int,
         loss: torch.Tensor,
         params: list[torch.nn.Parameter],
-        reduced: torch.Tensor,
+        flags: torch.Tensor,
         grads: torch.Tensor,
         checks: list[SdcCheck],
     ) -> Verdict:
         """After the all-reduce, before the reduced gradient is set (`loss`: this rank's, `params`: still
-        holding this rank's own gradients, `reduced`: everyone's flags summed, `grads`: the reduced
+        holding this rank's own gradients, `flags`: everyone's flags summed, `grads`: the reduced
         gradient): the same verdict on every rank. Each report is sent by one rank: the
         checker (self), rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
         if not self.spec.enabled:
             return Verdict()
-        total_loss, blamed, passed = reduced.tolist()
+        total_loss, blamed, passed = flags.tolist()
         reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
         failed = next((c for c in checks if not c.passed), None)
         if failed is None and blamed > 0:  # another rank's replay differed: stop with it
