@@ -124,10 +124,23 @@ class DevStack:
         argv += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
         self._spawn("temporal", argv)
         deadline = time.monotonic() + timeout
-        while not port_open(self.port):
+        while not self.serving():
             if self.processes["temporal"].poll() is not None or time.monotonic() > deadline:
                 raise StackError(f"the Temporal dev server did not start; see {self._log('temporal')}")
             time.sleep(0.1)
+
+    def serving(self) -> bool:
+        """The dev server answers calls. An open port is not enough: for a moment after it starts
+        listening, the frontend refuses every call ("Frontend is not healthy yet"), and a client that
+        connects then fails instead of waiting."""
+        if not port_open(self.port):
+            return False
+        health = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
+        try:
+            answer = subprocess.run(health, capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
+        return answer.returncode == 0 and "SERVING" in answer.stdout
 
     def start_supervisor(self) -> None:
         metrics = ["--metrics-port", str(self.metrics_port)]
