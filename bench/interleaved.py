@@ -112,17 +112,23 @@ def mean_block_s(blocks: list[Block], cycle: int, variant: str) -> float:
     return statistics.fmean(s for c, name, s in blocks if c == cycle and name == variant)
 
 
-def overhead(blocks: list[Block], variant: str, baseline: str) -> Overhead:
-    """Σ over counted cycles of the variant's mean block time, against the same of the baseline's,
-    less one; the interval resamples cycles (seeded, so a rerun on the same blocks agrees)."""
+def ratio(blocks: list[Block], numerator: str, denominator: str) -> Overhead:
+    """Σ over counted cycles of the mean block time of `numerator`, against the same of
+    `denominator`'s; the interval resamples cycles (seeded, so a rerun on the same blocks agrees)."""
     per_cycle = np.array(
-        [[mean_block_s(blocks, c, variant), mean_block_s(blocks, c, baseline)] for c in counted_cycles(blocks)]
+        [[mean_block_s(blocks, c, numerator), mean_block_s(blocks, c, denominator)] for c in counted_cycles(blocks)]
     )
     picks = np.random.default_rng(0).integers(0, len(per_cycle), (RESAMPLES, len(per_cycle)))
     resampled = per_cycle[picks].sum(axis=1)
-    low, high = np.percentile(resampled[:, 0] / resampled[:, 1] - 1, [2.5, 97.5])
+    low, high = np.percentile(resampled[:, 0] / resampled[:, 1], [2.5, 97.5])
     totals = per_cycle.sum(axis=0)
-    return Overhead(point=float(totals[0] / totals[1] - 1), low=float(low), high=float(high))
+    return Overhead(point=float(totals[0] / totals[1]), low=float(low), high=float(high))
+
+
+def overhead(blocks: list[Block], variant: str, baseline: str) -> Overhead:
+    """How much longer the variant's blocks took than the baseline's: their ratio, less one."""
+    times = ratio(blocks, variant, baseline)
+    return Overhead(point=times.point - 1, low=times.low - 1, high=times.high - 1)
 
 
 def median_step_s(blocks: list[Block], variant: str, block_steps: int) -> float:
