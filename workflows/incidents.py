@@ -38,16 +38,13 @@ async def failure(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLos
     failed = await _culprit(run, gen, first)
     await gen.cancel()
     status = run.status
-    run.set_state(RunState.DIAGNOSING)
     interruption = interruption_from(failed, status, workflow.now())
     if interruption.cause == Cause.CHECKPOINT_INVALID:
         interruption.actions.append("marked the checkpoint it was given unusable")
-    elif isinstance(failed, RankFailed):  # its agent is up: also stop the node's other ranks, free its memory
-        await asyncio.gather(
-            replace(run, interruption, failed.node, interruption.line()), calls.release(run.run_id, failed.node)
-        )
     else:
         await replace(run, interruption, failed.node, interruption.line())
+        if isinstance(failed, RankFailed):  # its agent is up: also stop the node's other ranks, free its memory
+            run.release_in_background(failed.node)
     await _restart(run, interruption)
 
 
@@ -77,7 +74,7 @@ async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
     )
     if interruption.node is not None:
         await replace(run, interruption, interruption.node, interruption.line())
-        await calls.release(run.run_id, interruption.node)  # its hung rank holds on until stopped
+        run.release_in_background(interruption.node)  # its hung rank holds on until stopped
     else:
         interruption.actions.append("no culprit named: every rank restarts on the same nodes")
     await _restart(run, interruption)
@@ -89,7 +86,6 @@ async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
     quarantined (its self-test runs in the fleet), and the run restarts from the newest checkpoint
     at or before that check."""
     check, status = event.check, run.status
-    run.set_state(RunState.DIAGNOSING, f"SDC at step {check.step}: {check.detail}")
     await gen.cancel()
     suspect = mark_suspect(status.checkpoints, status.generation, check.last_verified)
     resume = status.latest_valid_checkpoint()
@@ -111,7 +107,8 @@ async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
         ],
     )
     if node is not None:
-        await asyncio.gather(replace(run, interruption, node, f"SDC: {check.detail}"), calls.release(run.run_id, node))
+        await replace(run, interruption, node, f"SDC: {check.detail}")
+        run.release_in_background(node)
     await _restart(run, interruption)
 
 
@@ -189,6 +186,7 @@ async def _culprit(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLo
     that actually failed, whose agent reports a crash or falls silent."""
     if not (isinstance(first, RankFailed) and first.peer_lost):
         return first
+    run.set_state(RunState.DIAGNOSING, f"rank {first.rank} lost a peer: waiting for the node that failed")
     deadline = workflow.now() + timedelta(seconds=run.spec.health.node_heartbeat_timeout + 5)
     pending = {task: node for node, task in gen.nodes.items() if node not in gen.finished and node != first.node}
     while pending and workflow.now() < deadline:

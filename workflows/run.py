@@ -94,6 +94,7 @@ class RunWorkflow:
         self.run_id = self.status.run_id
         self.requests: list[Request] = []
         self.resumed = False
+        self.releases: dict[str, asyncio.Future[int]] = {}  # node → its release, under way
 
     @property
     def spec(self) -> RunSpec:
@@ -114,6 +115,7 @@ class RunWorkflow:
                     continue
                 await self._supervise(await self._start())
                 if self._continue_as_new_due():
+                    await self._released()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(CarriedRun(status=status))
         except asyncio.CancelledError:
@@ -227,9 +229,9 @@ class RunWorkflow:
         # Judging what the last generation left and preparing the nodes do not wait for each other.
         asked = generation.endpoints(status, fresh_store=not status.reattach)
         if fresh and status.generation > 0:
-            status.endpoints, _ = await asyncio.gather(asked, self._judge_leftovers())
+            status.endpoints, _, _ = await asyncio.gather(asked, self._judge_leftovers(), self._released())
         else:
-            status.endpoints = await asked
+            status.endpoints, _ = await asyncio.gather(asked, self._released())
         if status.interruptions and status.interruptions[-1].resumed_from is None:
             resume = status.latest_valid_checkpoint()
             status.interruptions[-1].resumed_at(resume.step if resume else 0)
@@ -287,6 +289,19 @@ class RunWorkflow:
                 self.status.reattach = True
                 await gen.cancel()
                 return
+
+    def release_in_background(self, node: str) -> None:
+        """Stop the ranks left on a node that is out of the run and free its memory. Nothing waits on
+        it before the next generation starts, so a restart costs no workflow task of its own for it."""
+        self.releases[node] = asyncio.ensure_future(calls.release(self.run_id, node))
+
+    async def _released(self) -> None:
+        """Wait for the releases under way; one that failed is logged (its node is out of the run)."""
+        releases, self.releases = self.releases, {}
+        outcomes = await asyncio.gather(*releases.values(), return_exceptions=True)
+        for node, outcome in zip(releases, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                workflow.logger.warning("releasing %s failed: %s", node, outcome)
 
     async def outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
@@ -431,7 +446,9 @@ class RunWorkflow:
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.
         (Nodes that left the group earlier were released then, or died with the ranks on them.)"""
-        await asyncio.gather(*(calls.release(self.run_id, n) for n in self.status.nodes), return_exceptions=True)
+        await asyncio.gather(
+            *(calls.release(self.run_id, n) for n in self.status.nodes), self._released(), return_exceptions=True
+        )
         await calls.release_nodes(self.run_id)
 
     def set_state(self, state: RunState, note: str = "") -> None:
