@@ -1,34 +1,42 @@
 """The run monitor: one long-running activity per generation that reads every node's telemetry and
 runs the detectors (core/detectors.py) on it.
 
-It heartbeats a live summary (step, loss, steps/s, step-time p50/max, slowest rank) and completes
-with a typed event only when the workflow has something to decide: the first step of a generation,
-a hang, a straggler, a slowdown of the whole run, a failed SDC check, a skipped update, or a
-stretch of healthy windows for the fleet's baseline. History grows with decisions, not steps. Its
-cursor per node travels in heartbeats and in every event, so a monitor restarted on another
+It heartbeats a live summary (step, loss, steps/s, step-time p50/max, slowest rank) and signals the
+workflow a typed event only when the workflow has something to decide: the first step of a
+generation, a hang, a straggler, a slowdown of the whole run, a failed SDC check, a skipped update,
+or a stretch of healthy windows for the fleet's baseline. It runs until the workflow cancels it (the
+generation ended), so a report costs the history one signal, not an activity's end and the next
+one's start. History grows with decisions, not steps. What it already reported (its cursor per node,
+the stragglers and slowdown it knows of) travels in its heartbeats, so a monitor restarted on another
 supervisor worker resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import statistics
 import time
 from typing import Literal
 
 import numpy as np
 from temporalio import activity
+from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.telemetry import records
 from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
 from core.diagnosis import GpuHealth, Verdict, diagnose
 from core.events import (
+    MONITOR_REPORT,
     AnomalyFound,
     FirstStep,
     Hang,
     HealthyWindows,
     MonitorEvent,
     MonitorInput,
+    MonitorReport,
     SdcDetected,
     SlowdownFound,
     SlownessTally,
@@ -37,7 +45,7 @@ from core.events import (
 from core.goodput import straggler_wait
 from core.progress import ProgressTracker, StepVectors
 from core.run import Progress
-from core.telemetry import Anomaly, Finished, GpuReport, Held, Resumed, SdcCheck, StepReport
+from core.telemetry import Anomaly, Finished, GpuReport, Held, Record, Resumed, SdcCheck, StepReport
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -50,11 +58,30 @@ def resumed_cursor(after: dict[str, int]) -> dict[str, int]:
     return dict(after)
 
 
+def resumed_knowledge(input: MonitorInput) -> MonitorInput:
+    """What an earlier attempt had already reported (the last heartbeat's), so that it is not reported
+    again; the workflow also ignores a report it already has."""
+    details = activity.info().heartbeat_details
+    if not (details and isinstance(details[0], dict) and "known_stragglers" in details[0]):
+        return input
+    known = details[0]
+    return input.model_copy(
+        update={
+            "known_stragglers": [int(r) for r in known["known_stragglers"]],
+            "slowdown_known": bool(known["slowdown_known"]),
+            "await_first_step": bool(known["await_first_step"]),
+        }
+    )
+
+
 class _Detectors:
     """Everything the monitor knows about one generation, folded from its telemetry."""
 
     def __init__(self, input: MonitorInput) -> None:
         self.input = input
+        self.known_stragglers = list(input.known_stragglers)
+        self.slowdown_known = input.slowdown_known
+        self.await_first_step = input.await_first_step
         self.progress = ProgressTracker(input.world_size, input.generation)
         self.vectors = StepVectors(input.world_size)
         self.relative = RelativeStraggler(input.world_size, sigma=input.straggler_sigma, k=input.straggler_steps)
@@ -69,6 +96,48 @@ class _Detectors:
         self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
         self.next_tally = time.monotonic() + input.tally_s
         self.finished: set[int] = set()  # ranks that reached the target step and exited cleanly
+
+    def record(self, record: Record) -> MonitorEvent | None:
+        """Fold one telemetry record in; the event it makes, if any."""
+        message = record.message
+        if isinstance(message, GpuReport):
+            self.gpus[message.node] = message.readings
+        elif message.generation != self.input.generation:
+            pass
+        elif isinstance(message, Resumed):
+            self.restored_from = message.source
+        elif isinstance(message, Finished):
+            self.finished.add(message.rank)
+        elif isinstance(message, SdcCheck) and not message.passed:
+            return SdcDetected(check=message, progress=self.summary(), after={})
+        elif isinstance(message, Anomaly):
+            return AnomalyFound(anomaly=message, progress=self.summary(), after={})
+        elif isinstance(message, StepReport):
+            event = self.step(message, record.node)
+            if event is None and self.await_first_step and self.progress.step > self.input.resume_step:
+                return FirstStep(
+                    step=self.progress.step,
+                    at=message.at,
+                    restored_from=self.restored_from,
+                    progress=self.summary(),
+                    after={},
+                )
+            return event
+        return None
+
+    def hang(self) -> Hang | None:
+        """No step within the timeout. Ranks that all finished make no more progress, and that is no hang."""
+        if len(self.finished) >= self.input.world_size or not self.watchdog.overdue(time.time()):
+            return None
+        stalled = time.time() - (self.watchdog.last_progress_at or time.time())
+        return Hang(
+            step=self.progress.step,
+            stalled_s=stalled,
+            timeout_s=self.watchdog.timeout,
+            at=time.time(),
+            progress=self.summary(),
+            after={},
+        )
 
     def verdict(self, node: str) -> Verdict | None:
         """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""
@@ -91,12 +160,30 @@ class _Detectors:
     def summary(self) -> Progress:
         return self.progress.summary().model_copy(update={"straggler_s": self.straggler_s})
 
+    def reported(self, event: MonitorEvent) -> None:
+        """The workflow has it: count the slowness afresh, and know what it now knows."""
+        self.straggler_s = 0.0
+        self.next_tally = time.monotonic() + self.input.tally_s
+        if isinstance(event, FirstStep):
+            self.await_first_step = False
+        elif isinstance(event, StragglerFound):
+            self.known_stragglers.append(event.rank)
+        elif isinstance(event, SlowdownFound):
+            self.slowdown_known = True
+
+    def knowledge(self) -> dict[str, object]:
+        return {
+            "known_stragglers": self.known_stragglers,
+            "slowdown_known": self.slowdown_known,
+            "await_first_step": self.await_first_step,
+        }
+
     def _judge(self, step: int, compute: np.ndarray, step_s: np.ndarray) -> MonitorEvent | None:
-        input, summary = self.input, self.summary
-        known_slowdown = self.absolute.baseline_median if input.slowdown_known and self.absolute.armed else None
-        self.straggler_s += straggler_wait(compute, float(np.nanmedian(step_s)), input.known_stragglers, known_slowdown)
+        summary = self.summary
+        known_slowdown = self.absolute.baseline_median if self.slowdown_known and self.absolute.armed else None
+        self.straggler_s += straggler_wait(compute, float(np.nanmedian(step_s)), self.known_stragglers, known_slowdown)
         for flag in self.relative.observe(step, compute):
-            if flag.rank not in input.known_stragglers:
+            if flag.rank not in self.known_stragglers:
                 self.healthy.clear()
                 node = self.node_of.get(flag.rank, "?")
                 return StragglerFound(
@@ -110,7 +197,7 @@ class _Detectors:
                     progress=summary(),
                     after={},
                 )
-        if (slow := self.absolute.observe(step, step_s)) is not None and not input.slowdown_known:
+        if (slow := self.absolute.observe(step, step_s)) is not None and not self.slowdown_known:
             self.healthy.clear()
             verdicts = {n: v for n in sorted(set(self.node_of.values())) if (v := self.verdict(n)) is not None}
             return SlowdownFound(
@@ -122,7 +209,7 @@ class _Detectors:
                 progress=summary(),
                 after={},
             )
-        if (input.known_stragglers or input.slowdown_known) and time.monotonic() >= self.next_tally:
+        if (self.known_stragglers or self.slowdown_known) and time.monotonic() >= self.next_tally:
             return SlownessTally(progress=summary(), after={})
         return self._window(float(np.nanmedian(step_s)))
 
@@ -134,7 +221,7 @@ class _Detectors:
             return None
         median = statistics.median(self.window)
         self.window.clear()
-        if self.input.known_stragglers or (self.absolute.armed and median > self.absolute.threshold):
+        if self.known_stragglers or (self.absolute.armed and median > self.absolute.threshold):
             self.healthy.clear()
             return None
         self.healthy.append(median)
@@ -145,55 +232,49 @@ class _Detectors:
 
 
 @activity.defn
-async def monitor_run(input: MonitorInput) -> MonitorEvent:
+async def monitor_run(input: MonitorInput) -> None:
+    """Watch the generation until the workflow cancels it, signalling each finding. A hang or a failed
+    SDC check ends the generation: after one, it only waits to be cancelled."""
     after = resumed_cursor(input.after)
-    seen = _Detectors(input)
+    seen = _Detectors(resumed_knowledge(input))
+    workflow = _workflow()
     next_heartbeat = 0.0
-    async for record in records(input.run_id, input.endpoints, after):
-        event: MonitorEvent | None = None
-        if record is not None:
-            message = record.message
-            if isinstance(message, GpuReport):
-                seen.gpus[message.node] = message.readings
-            elif message.generation != input.generation:
-                pass
-            elif isinstance(message, Resumed):
-                seen.restored_from = message.source
-            elif isinstance(message, Finished):
-                seen.finished.add(message.rank)
-            elif isinstance(message, SdcCheck) and not message.passed:
-                event = SdcDetected(check=message, progress=seen.summary(), after={})
-            elif isinstance(message, Anomaly):
-                event = AnomalyFound(anomaly=message, progress=seen.summary(), after={})
-            elif isinstance(message, StepReport):
-                event = seen.step(message, record.node)
-                completed = seen.progress.step
-                if event is None and input.await_first_step and completed > input.resume_step:
-                    event = FirstStep(
-                        step=completed,
-                        at=message.at,
-                        restored_from=seen.restored_from,
-                        progress=seen.summary(),
-                        after={},
-                    )
-            after[record.node] = record.seq
-        # Ranks that all finished make no more progress, and that is no hang.
-        if event is None and len(seen.finished) < input.world_size and seen.watchdog.overdue(time.time()):
-            stalled = time.time() - (seen.watchdog.last_progress_at or time.time())
-            event = Hang(
-                step=seen.progress.step,
-                stalled_s=stalled,
-                timeout_s=seen.watchdog.timeout,
-                at=time.time(),
-                progress=seen.summary(),
-                after={},
-            )
-        if event is not None:
-            return event.model_copy(update={"after": after})
-        if time.monotonic() >= next_heartbeat:
-            activity.heartbeat({"after": after, "progress": seen.summary().model_dump()})
-            next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
-    raise AssertionError("the telemetry stream never ends")
+    async with contextlib.aclosing(records(input.run_id, input.endpoints, after)) as stream:
+        async for record in stream:
+            event = seen.record(record) if record is not None else None
+            if record is not None:
+                after[record.node] = record.seq
+            if (event := event or seen.hang()) is not None:
+                report = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
+                if not await _signal(workflow, report):
+                    return  # the run has moved on (continued as new, or ended): nobody is listening
+                seen.reported(event)
+                if isinstance(event, Hang | SdcDetected):
+                    break
+            if time.monotonic() >= next_heartbeat:
+                activity.heartbeat({"after": after, "progress": seen.summary().model_dump(), **seen.knowledge()})
+                next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
+    while True:  # until cancelled
+        activity.heartbeat({"after": after, "progress": seen.summary().model_dump(), **seen.knowledge()})
+        await asyncio.sleep(HEARTBEAT_SECONDS)
+
+
+def _workflow() -> WorkflowHandle:
+    """This attempt's own workflow run: a monitor reports to the run (segment) that started it."""
+    info = activity.info()
+    assert info.workflow_id is not None, "the monitor runs in a workflow"
+    return activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+
+
+async def _signal(workflow: WorkflowHandle, report: MonitorReport) -> bool:
+    """Signal the report; False when that run is closed (a signal to it is refused as not found)."""
+    try:
+        await workflow.signal(MONITOR_REPORT, report)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
 
 
 @activity.defn

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 
@@ -35,7 +35,7 @@ async def _follow(
 
 async def records(
     run_id: str, endpoints: list[NodeEndpoint], after: dict[str, int], only: list[str] | None = None
-) -> AsyncIterator[Record | None]:
+) -> AsyncGenerator[Record | None, None]:
     """Every node's records after `after`, merged as they arrive; None each idle second, so a caller
     can heartbeat. The caller advances `after` as it consumes records."""
     queue: asyncio.Queue[Record] = asyncio.Queue()

@@ -1,4 +1,5 @@
-"""Typed events that activities complete with, when the workflow has a decision to make."""
+"""Typed events that activities complete with, or the run monitor signals, when the workflow has a
+decision to make."""
 
 from __future__ import annotations
 
@@ -127,9 +128,9 @@ class HealthyWindows(BaseModel):
 
 
 class SlownessTally(BaseModel):
-    """While a straggler or slowdown is known: what it has cost since the monitor started
+    """While a straggler or slowdown is known: what it has cost since the monitor's last report
     (`progress.straggler_s`), every `tally_s`. The ledger's straggler loss and the S1→S4 ladder's
-    rent both read it; history grows by one event per tally, and only while something is slow."""
+    rent both read it; history grows by one signal per tally, and only while something is slow."""
 
     kind: Literal["tally"] = "tally"
     progress: Progress
@@ -160,3 +161,13 @@ MonitorEvent = Annotated[
     ],
     Field(discriminator="kind"),
 ]
+
+# The signal that carries a MonitorReport from the run monitor to its RunWorkflow.
+MONITOR_REPORT = "monitor_report"
+
+
+class MonitorReport(BaseModel):
+    """One thing the run monitor found in a generation, sent to the workflow as a signal."""
+
+    generation: int
+    event: MonitorEvent

@@ -129,8 +129,8 @@ class Progress(BaseModel):
     step_seconds_max: float = 0.0
     slowest_rank: int | None = None
     at: float = 0.0
-    # Seconds the barrier waited on slowness since this monitor started (core.goodput.straggler_wait):
-    # the workflow adds each event's share to RunStatus.straggler_seconds.
+    # Seconds the barrier waited on slowness since the monitor's last report (core.goodput.straggler_wait):
+    # the workflow adds each report's share to RunStatus.straggler_seconds.
     straggler_s: float = 0.0
 
 
@@ -159,7 +159,7 @@ class RunStatus(BaseModel):
     detections: list[Detection] = []
     baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
     checkpoints: list[CheckpointRecord] = []
-    straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's events
+    straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's reports
     escalation: Escalation | None = None  # the straggler being escalated S1 → S4, if any
     evictions: list[Eviction] = []  # this run's straggler evictions (spacing, one per rack without a person)
     verified_step: int = 0  # the SDC watermark: the newest step at which a check passed, as checkpoints reported

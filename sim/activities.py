@@ -28,7 +28,7 @@ from activities.fleet import RecordWindows, Replace, Replacement
 from activities.node import NodeCommand, NodeStacks, PrepareNode
 from activities.paging import deliver_webhook, page
 from activities.selftest import SelfTestInput
-from core.events import FirstStep, MonitorEvent, MonitorInput, NodeOutcome
+from core.events import MONITOR_REPORT, FirstStep, MonitorInput, MonitorReport, NodeOutcome
 from core.fleet import EvictionOutcome, SelfTestResult
 from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch
@@ -118,21 +118,25 @@ class SimulatedSupervisor:
         ]
 
     @activity.defn(name="monitor_run")
-    async def monitor_run(self, input: MonitorInput) -> MonitorEvent:
+    async def monitor_run(self, input: MonitorInput) -> None:
         generation = await launched(self.cluster, input.run_id, input.generation)
-        if not input.await_first_step:
-            # Asked for the next decision, so the workflow has recorded the first step. No detector
-            # is simulated (hangs, stragglers): nothing more to report until the generation ends.
-            self.cluster.take_first_step(generation)
-            await until_cancelled(self.cluster)
-        await until(self.cluster, lambda: True, not_before=generation.first_step_at)
-        return FirstStep(
-            step=generation.resume_step + 1,
-            at=generation.first_step_at,
-            restored_from="storage" if generation.resume_step else None,
-            progress=generation.first_step(),
-            after=input.after,
-        )
+        if input.await_first_step:
+            await until(self.cluster, lambda: True, not_before=generation.first_step_at)
+            first = FirstStep(
+                step=generation.resume_step + 1,
+                at=generation.first_step_at,
+                restored_from="storage" if generation.resume_step else None,
+                progress=generation.first_step(),
+                after=input.after,
+            )
+            info = activity.info()
+            assert info.workflow_id is not None
+            run = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+            await run.signal(MONITOR_REPORT, MonitorReport(generation=input.generation, event=first))
+        # The workflow has the first step (or had it before a continue-as-new). No detector is
+        # simulated (hangs, stragglers): nothing more to report until the generation ends.
+        self.cluster.take_first_step(generation)
+        await until_cancelled(self.cluster)
 
     @activity.defn(name="await_hold")
     async def await_hold(self, input: MonitorInput) -> Held:

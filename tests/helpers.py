@@ -142,7 +142,8 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
 
 async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str, str, object]]:
     """The run's activities in history order: ("scheduled", type, summary) and ("completed", type,
-    result); a local activity, recorded once when it is done, as ("local", type, result)."""
+    result); a local activity, recorded once when it is done, as ("local", type, result); a signal
+    (the run monitor's reports) as ("signaled", name, input)."""
     types: dict[int, str] = {}
     log: list[tuple[str, str, object]] = []
     async for event in handle.fetch_history_events():
@@ -162,6 +163,10 @@ async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str
                 await client.data_converter.decode(attributes.result.payloads) if attributes.result.payloads else [None]
             )
             log.append(("completed", types[attributes.scheduled_event_id], result[0]))
+        elif event.HasField("workflow_execution_signaled_event_attributes"):
+            signal = event.workflow_execution_signaled_event_attributes
+            result = await client.data_converter.decode(signal.input.payloads)
+            log.append(("signaled", signal.signal_name, result[0] if result else None))
     return log
 
 

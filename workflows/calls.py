@@ -15,7 +15,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.monitor import await_hold, monitor_run
     from activities.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
     from activities.paging import Page, deliver_webhook, page
-    from core.events import MonitorEvent, MonitorInput, NodeOutcome
+    from core.events import MonitorInput, NodeOutcome
     from core.fleet import EvictionOutcome
     from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
     from core.launch import NodeEndpoint, NodeLaunch, node_queue
@@ -57,15 +57,15 @@ def run_ranks(launch: NodeLaunch, origin: str, heartbeat_timeout: float) -> Acti
     )
 
 
-def monitor(input: MonitorInput) -> ActivityHandle[MonitorEvent]:
-    purpose = "until its first step" if input.await_first_step else "for the next decision"
+def monitor(input: MonitorInput) -> ActivityHandle[None]:
+    first = "its first step, " if input.await_first_step else ""
     return workflow.start_activity(
         monitor_run,
         input,
         start_to_close_timeout=FOREVER,
         heartbeat_timeout=timedelta(seconds=10),
         retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)),
-        summary=f"watch generation {input.generation} {purpose}",
+        summary=f"watch generation {input.generation}: signal {first}hangs, stragglers, slowdowns, SDC",
     )
 
 

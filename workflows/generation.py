@@ -1,4 +1,5 @@
-"""One generation's activities: `run_ranks` on every node, the run monitor, the checkpoint keeper.
+"""One generation's activities: `run_ranks` on every node, the run monitor (which reports by signal),
+the checkpoint keeper.
 
 A generation starts one of three ways: fresh ranks restoring a checkpoint (the first launch, or
 after a crash), survivors rejoining in place after a hold (drain, pause), or re-attaching to ranks
@@ -17,7 +18,7 @@ from workflows import calls
 
 with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import KeeperInput, KeeperResult
-    from core.events import MonitorEvent, MonitorInput, NodeOutcome
+    from core.events import MonitorInput, NodeOutcome
     from core.faults import HARDWARE
     from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
     from core.retention import to_delete
@@ -28,13 +29,13 @@ with workflow.unsafe.imports_passed_through():
 class Generation:
     number: int
     nodes: dict[str, ActivityHandle[NodeOutcome]]
-    monitor: ActivityHandle[MonitorEvent] | None
+    monitor: ActivityHandle[None] | None  # runs until cancelled; what it finds arrives as signals
     keeper: ActivityHandle[KeeperResult] | None
     finished: set[str] = field(default_factory=set)
 
     def waiting(self) -> list[asyncio.Future]:
         running = [task for node, task in self.nodes.items() if node not in self.finished]
-        return running + [h for h in (self.monitor, self.keeper) if h is not None]
+        return running + ([self.keeper] if self.keeper is not None else [])
 
     async def cancel(self) -> None:
         """Stop watching. The ranks themselves keep running until an activity stops them."""
@@ -44,7 +45,7 @@ class Generation:
         await asyncio.gather(*live, return_exceptions=True)
 
 
-def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[MonitorEvent]:
+def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[None]:
     resume = status.latest_valid_checkpoint()
     health = status.spec.health
     # What this generation already reported is not reported again (a resize renumbers ranks, so

@@ -27,11 +27,13 @@ with workflow.unsafe.imports_passed_through():
 
     from activities.checkpoints import ChooseInput, KeeperResult
     from core.events import (
+        MONITOR_REPORT,
         AnomalyFound,
         FirstStep,
         Hang,
         HealthyWindows,
         MonitorEvent,
+        MonitorReport,
         NodeLost,
         NodeOutcome,
         RanksFinished,
@@ -93,6 +95,7 @@ class RunWorkflow:
             )
         self.run_id = self.status.run_id
         self.requests: list[Request] = []
+        self.reports: list[MonitorReport] = []  # from the run monitor, in the order it sent them
         self.resumed = False
         self.releases: dict[str, asyncio.Future[int]] = {}  # node → its release, under way
 
@@ -163,6 +166,11 @@ class RunWorkflow:
         """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
         self.set_state(RunState.CHECKPOINTING)
         await self.command("checkpoint", "checkpoint at the next step all ranks agree on")
+
+    @workflow.signal(name=MONITOR_REPORT)
+    def monitor_report(self, report: MonitorReport) -> None:
+        """What the run monitor found (activities/monitor.py); handled by the main loop."""
+        self.reports.append(report)
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:
@@ -242,32 +250,14 @@ class RunWorkflow:
     async def _supervise(self, gen: Generation) -> None:
         """Handle this generation's events until it ends (interruption, completion, a request, continue-as-new)."""
         while True:
-            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self.requests)))
+            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self.requests or self.reports)))
             done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
             if not ask.done():
                 ask.cancel()
-            if gen.monitor is not None and gen.monitor in done:
-                event = gen.monitor.result()
-                self._on_monitor_event(event)
-                if isinstance(event, Hang):
-                    await incidents.hang(self, gen, event)
+            while self.reports:
+                report = self.reports.pop(0)
+                if report.generation == gen.number and await self._on_report(gen, report.event):
                     return
-                if isinstance(event, SdcDetected):
-                    await incidents.sdc(self, gen, event)
-                    return
-                if isinstance(event, AnomalyFound):
-                    incidents.anomaly(self, event)
-                elif isinstance(event, StragglerFound):
-                    await stragglers.settle(self, resolved=False)
-                    await stragglers.straggler(self, event)
-                elif isinstance(event, SlowdownFound):
-                    await stragglers.slowdown(self, event)
-                elif isinstance(event, SlownessTally):
-                    await stragglers.climb(self)
-                elif isinstance(event, HealthyWindows):
-                    await stragglers.settle(self, resolved=True)
-                    await calls.record_baseline(self.spec.config_digest, event.medians)
-                gen.monitor = generation.monitor(self.status, first_step=False)
             if gen.keeper is not None and gen.keeper in done:
                 self.on_checkpoint(gen.keeper.result())
                 gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
@@ -302,6 +292,39 @@ class RunWorkflow:
         for node, outcome in zip(releases, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 workflow.logger.warning("releasing %s failed: %s", node, outcome)
+
+    async def _on_report(self, gen: Generation, event: MonitorEvent) -> bool:
+        """Act on one of the monitor's findings; True when it ended the generation (a hang, SDC)."""
+        if self._known(event):
+            return False  # a monitor restarted from an older heartbeat found it again
+        self._on_monitor_event(event)
+        if isinstance(event, Hang):
+            await incidents.hang(self, gen, event)
+            return True
+        if isinstance(event, SdcDetected):
+            await incidents.sdc(self, gen, event)
+            return True
+        if isinstance(event, AnomalyFound):
+            incidents.anomaly(self, event)
+        elif isinstance(event, StragglerFound):
+            await stragglers.settle(self, resolved=False)
+            await stragglers.straggler(self, event)
+        elif isinstance(event, SlowdownFound):
+            await stragglers.slowdown(self, event)
+        elif isinstance(event, SlownessTally):
+            await stragglers.climb(self)
+        elif isinstance(event, HealthyWindows):
+            await stragglers.settle(self, resolved=True)
+            await calls.record_baseline(self.spec.config_digest, event.medians)
+        return False
+
+    def _known(self, event: MonitorEvent) -> bool:
+        seen = [d for d in self.status.detections if d.generation == self.status.generation]
+        if isinstance(event, StragglerFound):
+            return any(d.kind == "straggler" and d.rank == event.rank for d in seen)
+        if isinstance(event, SlowdownFound):
+            return any(d.kind == "slowdown" for d in seen)
+        return False
 
     async def outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
@@ -338,7 +361,7 @@ class RunWorkflow:
         status = self.status
         status.progress = event.progress
         status.telemetry_cursor = event.after
-        status.straggler_seconds += event.progress.straggler_s  # each monitor counts from zero
+        status.straggler_seconds += event.progress.straggler_s  # the monitor counts afresh after each report
         if isinstance(event, FirstStep):
             at = datetime.fromtimestamp(event.at, UTC)
             if status.first_step_at is None:
@@ -347,7 +370,8 @@ class RunWorkflow:
             if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
                 last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
                 last.restored_from = last.restored_from or event.restored_from
-            self.set_state(RunState.RUNNING)
+            if status.state in (RunState.LAUNCHING, RunState.RESUMING):
+                self.set_state(RunState.RUNNING)
 
     def on_checkpoint(self, result: KeeperResult) -> None:
         status = self.status

@@ -80,7 +80,11 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     )
     resize = next(i for i, e in enumerate(after) if e[:2] == ("local", "replace_node"))
     relaunch = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "run_ranks"))
-    resume = next(i for i, e in enumerate(after) if e[:2] == ("completed", "monitor_run"))
+    resume = next(
+        i
+        for i, (kind, name, report) in enumerate(after)
+        if (kind, name) == ("signaled", "monitor_report") and report["event"]["kind"] == "first_step"  # type: ignore[index]
+    )
     # The checkpoint is of the held step, so it was written after the wait; but the keeper judging it
     # runs beside `await_hold`, and its verdict can be recorded first (seen once in four clean runs).
     # What the sequence needs is that the group changes only once both are in.
