@@ -137,6 +137,13 @@ class NodeActivities:
     @activity.defn
     async def release_run(self, run_id: str) -> int:
         """The run is over here: stop its ranks, close its store, free its host memory. Returns ranks stopped."""
+        return await self._release(run_id)
+
+    async def vacate(self) -> int:
+        """Release every run still here (the node was quarantined, and its self-test needs it idle)."""
+        return sum([await self._release(run_id) for run_id in list(self.ranks)])
+
+    async def _release(self, run_id: str) -> int:
         ranks = self.ranks.pop(run_id, [])
         running = sum(r.exit_code is None for r in ranks)
         await stop_ranks(ranks)

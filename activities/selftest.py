@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import structlog
@@ -58,11 +58,13 @@ class SelfTestActivities:
         broken: Callable[[], set[str]] = set,
         device: str = "cpu",
         collective_timeout: timedelta = timedelta(seconds=20),
+        vacate: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.node = node
         self.broken = broken
         self.device = torch.device(device)
         self.collective_timeout = collective_timeout
+        self.vacate = vacate  # stops whatever ranks still run here, so the checks have the node to themselves
 
     @activity.defn
     async def self_test(self, input: SelfTestInput) -> SelfTestResult:
@@ -70,6 +72,11 @@ class SelfTestActivities:
         if input.node != self.node:
             # Task queues are per node, so this is a miswired agent: a result from here would vouch for the wrong host.
             raise ApplicationError(f"self-test for {input.node} reached the agent of {self.node}", non_retryable=True)
+        if self.vacate is not None:
+            # A node is quarantined with its ranks still up (a crash's neighbours, a hung rank): they
+            # go before the checks, which would otherwise share the device with them.
+            stopped = await self.vacate()
+            log.info("node vacated for its self-test", node=self.node, stopped=stopped)
         faults = self.broken()
         checks: dict[str, Check] = {}
         progress = {"node": self.node, "check": ""}

@@ -69,7 +69,7 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     if standby is not None:
         standby.start()
     node = NodeActivities(args.node, hub, node_dir, standby)
-    self_test = SelfTestActivities(args.node, broken=node.broken)
+    self_test = SelfTestActivities(args.node, broken=node.broken, vacate=node.vacate)
     telemetry = gpu_telemetry(args.node, args.rack, faults=node.telemetry_faults)
     client = await connect(args.address, args.namespace)
     worker = Worker(

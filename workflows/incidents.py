@@ -41,10 +41,8 @@ async def failure(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLos
     interruption = interruption_from(failed, status, workflow.now())
     if interruption.cause == Cause.CHECKPOINT_INVALID:
         interruption.actions.append("marked the checkpoint it was given unusable")
-    else:
+    else:  # its self-test, which quarantine starts, first stops the node's other ranks and frees its memory
         await replace(run, interruption, failed.node, interruption.line())
-        if isinstance(failed, RankFailed):  # its agent is up: also stop the node's other ranks, free its memory
-            run.release_in_background(failed.node)
     await _restart(run, interruption)
 
 
@@ -72,9 +70,8 @@ async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
         else f"no single rank's stack stands out (suspects: {suspects or 'none'})",
         artifacts=sorted({path for dump in dumps for path in dump.files.values()}),
     )
-    if interruption.node is not None:
+    if interruption.node is not None:  # its self-test first stops the hung rank
         await replace(run, interruption, interruption.node, interruption.line())
-        run.release_in_background(interruption.node)  # its hung rank holds on until stopped
     else:
         interruption.actions.append("no culprit named: every rank restarts on the same nodes")
     await _restart(run, interruption)
@@ -108,7 +105,6 @@ async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
     )
     if node is not None:
         await replace(run, interruption, node, f"SDC: {check.detail}")
-        run.release_in_background(node)
     await _restart(run, interruption)
 
 

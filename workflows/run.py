@@ -97,7 +97,6 @@ class RunWorkflow:
         self.requests: list[Request] = []
         self.reports: list[MonitorReport] = []  # from the run monitor, in the order it sent them
         self.resumed = False
-        self.releases: dict[str, asyncio.Future[int]] = {}  # node → its release, under way
 
     @property
     def spec(self) -> RunSpec:
@@ -118,7 +117,6 @@ class RunWorkflow:
                     continue
                 await self._supervise(await self._start())
                 if self._continue_as_new_due():
-                    await self._released()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(CarriedRun(status=status))
         except asyncio.CancelledError:
@@ -237,9 +235,9 @@ class RunWorkflow:
         # Judging what the last generation left and preparing the nodes do not wait for each other.
         asked = generation.endpoints(status, fresh_store=not status.reattach)
         if fresh and status.generation > 0:
-            status.endpoints, _, _ = await asyncio.gather(asked, self._judge_leftovers(), self._released())
+            status.endpoints, _ = await asyncio.gather(asked, self._judge_leftovers())
         else:
-            status.endpoints, _ = await asyncio.gather(asked, self._released())
+            status.endpoints = await asked
         if status.interruptions and status.interruptions[-1].resumed_from is None:
             resume = status.latest_valid_checkpoint()
             status.interruptions[-1].resumed_at(resume.step if resume else 0)
@@ -279,19 +277,6 @@ class RunWorkflow:
                 self.status.reattach = True
                 await gen.cancel()
                 return
-
-    def release_in_background(self, node: str) -> None:
-        """Stop the ranks left on a node that is out of the run and free its memory. Nothing waits on
-        it before the next generation starts, so a restart costs no workflow task of its own for it."""
-        self.releases[node] = asyncio.ensure_future(calls.release(self.run_id, node))
-
-    async def _released(self) -> None:
-        """Wait for the releases under way; one that failed is logged (its node is out of the run)."""
-        releases, self.releases = self.releases, {}
-        outcomes = await asyncio.gather(*releases.values(), return_exceptions=True)
-        for node, outcome in zip(releases, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                workflow.logger.warning("releasing %s failed: %s", node, outcome)
 
     async def _on_report(self, gen: Generation, event: MonitorEvent) -> bool:
         """Act on one of the monitor's findings; True when it ended the generation (a hang, SDC)."""
@@ -469,10 +454,9 @@ class RunWorkflow:
 
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.
-        (Nodes that left the group earlier were released then, or died with the ranks on them.)"""
-        await asyncio.gather(
-            *(calls.release(self.run_id, n) for n in self.status.nodes), self._released(), return_exceptions=True
-        )
+        (A node that left the group earlier was released by its drain or vacated by the self-test its
+        quarantine started, or died with the ranks on it.)"""
+        await asyncio.gather(*(calls.release(self.run_id, n) for n in self.status.nodes), return_exceptions=True)
         await calls.release_nodes(self.run_id)
 
     def set_state(self, state: RunState, note: str = "") -> None:
