@@ -46,3 +46,22 @@ async def test_a_broken_unit_fails_its_own_check_only(fault: str, detail: str) -
 async def test_a_test_for_another_node_is_refused() -> None:
     with pytest.raises(ApplicationError, match="self-test for n2 reached the agent of n1"):
         await self_test(set(), node="n2")
+
+
+async def test_the_node_is_vacated_before_its_checks_run() -> None:
+    """A quarantined node's leftover ranks (a crash's neighbours, a hung rank) go first: the checks must
+    not share the device with them."""
+    order: list[str] = []
+
+    async def vacate() -> int:
+        order.append("vacate")
+        return 2
+
+    def broken() -> set[str]:
+        order.append("checks")
+        return set()
+
+    activities = SelfTestActivities("n1", broken, vacate=vacate)
+    result = await ActivityEnvironment().run(activities.self_test, SelfTestInput(node="n1"))
+    assert result.passed, result.detail
+    assert order == ["vacate", "checks"]
