@@ -241,8 +241,9 @@ async def monitor_run(input: MonitorInput) -> None:
     next_heartbeat = 0.0
     async with contextlib.aclosing(records(input.run_id, input.endpoints, after)) as stream:
         async for record in stream:
-            event = seen.record(record) if record is not None else None
+            event = None
             if record is not None:
+                event = seen.record(record)
                 after[record.node] = record.seq
             if (event := event or seen.hang()) is not None:
                 report = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
