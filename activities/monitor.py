@@ -21,7 +21,6 @@ from typing import Literal
 
 import numpy as np
 from temporalio import activity
-from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -237,7 +236,6 @@ async def monitor_run(input: MonitorInput) -> None:
     SDC check ends the generation: after one, it only waits to be cancelled."""
     after = resumed_cursor(input.after)
     seen = _Detectors(resumed_knowledge(input))
-    workflow = _workflow()
     next_heartbeat = 0.0
     async with contextlib.aclosing(records(input.run_id, input.endpoints, after)) as stream:
         async for record in stream:
@@ -246,8 +244,8 @@ async def monitor_run(input: MonitorInput) -> None:
                 event = seen.record(record)
                 after[record.node] = record.seq
             if (event := event or seen.hang()) is not None:
-                report = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
-                if not await _signal(workflow, report):
+                found = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
+                if not await report(found):
                     return  # the run has moved on (continued as new, or ended): nobody is listening
                 seen.reported(event)
                 if isinstance(event, Hang | SdcDetected):
@@ -260,15 +258,12 @@ async def monitor_run(input: MonitorInput) -> None:
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
-def _workflow() -> WorkflowHandle:
-    """This attempt's own workflow run: a monitor reports to the run (segment) that started it."""
+async def report(report: MonitorReport) -> bool:
+    """Signal a report to this attempt's own workflow run (the segment that started the monitor);
+    False when that run is closed (a signal to it is refused as not found)."""
     info = activity.info()
     assert info.workflow_id is not None, "the monitor runs in a workflow"
-    return activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
-
-
-async def _signal(workflow: WorkflowHandle, report: MonitorReport) -> bool:
-    """Signal the report; False when that run is closed (a signal to it is refused as not found)."""
+    workflow = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
     try:
         await workflow.signal(MONITOR_REPORT, report)
     except RPCError as exc:

@@ -36,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -80,39 +81,28 @@ class TimedGuard(SdcGuard):
     """The checks as the training loop runs them, adding up on this rank the seconds of the replays
     (`checks`) and of the every-step invariants (`flags`, `judge`)."""
 
-    replay_s = 0.0
-    invariants_s = 0.0
+    seconds: defaultdict[str, float]  # "replay", "invariants": this block's, set afresh before each
 
-    def checks(
-        self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]
-    ) -> list[SdcCheck]:
-        started = time.perf_counter()
-        try:
-            return super().checks(step, params, compute_on)
-        finally:
-            self.replay_s += time.perf_counter() - started
+    # The arguments pass through untouched: these only time what SdcGuard does.
+    def checks(self, *args: Any, **kwargs: Any) -> list[SdcCheck]:
+        with self._timed("replay"):
+            return super().checks(*args, **kwargs)
 
-    def flags(self, loss: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
-        with self._invariants():
-            return super().flags(loss, checks)
+    def flags(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._timed("invariants"):
+            return super().flags(*args, **kwargs)
 
-    def judge(
-        self,
-        step: int,
-        loss: torch.Tensor,
-        params: list[torch.nn.Parameter],
-        flags: torch.Tensor,
-        grads: torch.Tensor,
-        checks: list[SdcCheck],
-    ) -> Verdict:
-        with self._invariants():
-            return super().judge(step, loss, params, flags, grads, checks)
+    def judge(self, *args: Any, **kwargs: Any) -> Verdict:
+        with self._timed("invariants"):
+            return super().judge(*args, **kwargs)
 
     @contextmanager
-    def _invariants(self) -> Iterator[None]:
+    def _timed(self, part: str) -> Iterator[None]:
         started = time.perf_counter()
-        yield
-        self.invariants_s += time.perf_counter() - started
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - started
 
 
 def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
@@ -126,13 +116,14 @@ def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Que
     for cycle in range(count):
         for name in PLAN:
             guard = guards[name]
-            guard.replay_s = guard.invariants_s = 0.0
+            guard.seconds = defaultdict(float)
             target = trainer.state.step + BLOCK_STEPS
             supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, None)
             with timed_block(rank, cycle, name, checkpointer, results):
                 train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
             if name == "self":
-                replay, invariants = torch.tensor([guard.replay_s]), torch.tensor([guard.invariants_s / WORLD_SIZE])
+                replay = torch.tensor([guard.seconds["replay"]])
+                invariants = torch.tensor([guard.seconds["invariants"] / WORLD_SIZE])
                 dist.all_reduce(replay, op=dist.ReduceOp.MAX)
                 dist.all_reduce(invariants)
                 if rank == 0:

@@ -174,6 +174,18 @@ class RunStatus(BaseModel):
     def world_size(self) -> int:
         return len(self.nodes) * self.spec.ranks_per_node
 
+    def known_stragglers(self) -> list[int]:
+        """The ranks this generation already found slow (a resize renumbers ranks, so only its own count)."""
+        return [
+            d.rank
+            for d in self.detections
+            if d.generation == self.generation and d.kind == "straggler" and d.rank is not None
+        ]
+
+    def slowdown_known(self) -> bool:
+        """This generation already found every rank slow together."""
+        return any(d.generation == self.generation and d.kind == "slowdown" for d in self.detections)
+
     def latest_valid_checkpoint(self) -> CheckpointRecord | None:
         return max((c for c in self.checkpoints if c.resumable), key=lambda c: c.step, default=None)
 

@@ -25,10 +25,11 @@ from temporalio.exceptions import ApplicationError
 
 from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
 from activities.fleet import RecordWindows, Replace, Replacement
+from activities.monitor import report
 from activities.node import NodeCommand, NodeStacks, PrepareNode
 from activities.paging import deliver_webhook, page
 from activities.selftest import SelfTestInput
-from core.events import MONITOR_REPORT, FirstStep, MonitorInput, MonitorReport, NodeOutcome
+from core.events import FirstStep, MonitorInput, MonitorReport, NodeOutcome
 from core.fleet import EvictionOutcome, SelfTestResult
 from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch
@@ -129,10 +130,7 @@ class SimulatedSupervisor:
                 progress=generation.first_step(),
                 after=input.after,
             )
-            info = activity.info()
-            assert info.workflow_id is not None
-            run = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
-            await run.signal(MONITOR_REPORT, MonitorReport(generation=input.generation, event=first))
+            await report(MonitorReport(generation=input.generation, event=first))
         # The workflow has the first step (or had it before a continue-as-new). No detector is
         # simulated (hangs, stragglers): nothing more to report until the generation ends.
         self.cluster.take_first_step(generation)

@@ -48,9 +48,6 @@ class Generation:
 def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[None]:
     resume = status.latest_valid_checkpoint()
     health = status.spec.health
-    # What this generation already reported is not reported again (a resize renumbers ranks, so
-    # only this generation's detections count).
-    seen = [d for d in status.detections if d.generation == status.generation]
     return calls.monitor(
         MonitorInput(
             run_id=status.run_id,
@@ -64,8 +61,8 @@ def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[None]:
             straggler_sigma=health.straggler_sigma,
             straggler_steps=health.straggler_steps,
             baseline=status.baseline,
-            known_stragglers=[d.rank for d in seen if d.rank is not None],
-            slowdown_known=any(d.kind == "slowdown" for d in seen),
+            known_stragglers=status.known_stragglers(),  # what this generation found is not reported again
+            slowdown_known=status.slowdown_known(),
             healthy_windows=health.baseline_windows,
             tally_s=health.slowness_tally,
         )

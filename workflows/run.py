@@ -304,12 +304,9 @@ class RunWorkflow:
         return False
 
     def _known(self, event: MonitorEvent) -> bool:
-        seen = [d for d in self.status.detections if d.generation == self.status.generation]
         if isinstance(event, StragglerFound):
-            return any(d.kind == "straggler" and d.rank == event.rank for d in seen)
-        if isinstance(event, SlowdownFound):
-            return any(d.kind == "slowdown" for d in seen)
-        return False
+            return event.rank in self.status.known_stragglers()
+        return isinstance(event, SlowdownFound) and self.status.slowdown_known()
 
     async def outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
         try:
