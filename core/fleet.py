@@ -231,12 +231,15 @@ def take_spare(state: FleetState, run_id: str, candidates: list[str], now: datet
     """Assign the first candidate that is a spare or idle healthy node; None if none is.
 
     Unknown candidates are skipped, not refused: a listed spare whose agent never started is simply
-    not available, and the run still wants the next one.
+    not available, and the run still wants the next one. A candidate already assigned to this run is
+    taken again: candidates are nodes outside the run's group, so an earlier attempt of this same
+    request (a local activity run again after its workflow task failed) took it.
     """
     check_run_id(run_id)
     for node in candidates:
         entry = state.nodes.get(node)
-        if entry is not None and entry.run_id is None and entry.state in (NodeState.SPARE, NodeState.HEALTHY):
+        free = entry is not None and entry.run_id in (None, run_id)
+        if free and entry is not None and entry.state in (NodeState.SPARE, NodeState.HEALTHY):
             _assign(entry, run_id, now)
             return node
     return None

@@ -99,6 +99,16 @@ def test_take_spare_takes_the_first_idle_candidate() -> None:
     assert fleet.take_spare(state, "r1", ["n1", "n2"], LATER) is None
 
 
+def test_take_spare_asked_again_gives_the_same_spare() -> None:
+    """A local activity that quarantines and takes a spare runs again when its workflow task fails:
+    the second attempt must find the spare the first one took, not leave the run short of a node."""
+    state = pool(n3=NodeState.SPARE, n4=NodeState.SPARE)
+    assert fleet.take_spare(state, "r1", ["n3", "n4"], LATER) == "n3"
+    assert fleet.take_spare(state, "r1", ["n3", "n4"], LATER) == "n3"
+    assert fleet.take_spare(state, "r2", ["n3", "n4"], LATER) == "n4"  # another run's request is not a retry
+    assert {n: state.nodes[n].run_id for n in ("n3", "n4")} == {"n3": "r1", "n4": "r2"}
+
+
 def test_registering_again_keeps_a_node_out_of_the_pool_and_in_its_run() -> None:
     state = pool(n1=NodeState.HEALTHY, n2=NodeState.HEALTHY)
     fleet.acquire(state, "r1", ["n1"], T0)
