@@ -1,10 +1,11 @@
 """Checkpoint activities on the supervisor: validate what ranks wrote, off the training path, and
 delete what retention no longer needs.
 
-`keep_checkpoints` runs alongside a generation: it waits for the next committed checkpoint,
-validates it and returns the verdict (one activity, six history events, per checkpoint).
-`choose_checkpoint` runs before a restart: it finds what the run left on storage that the workflow
-has not judged yet (a checkpoint committed just before the crash, a write that never committed).
+`keep_checkpoints` is the run monitor's second loop (activities/monitor.py): for the whole generation
+it waits for each committed checkpoint, validates it, deletes what retention drops, and signals the
+verdict (one history event per checkpoint). `choose_checkpoint` runs before a restart, as a local
+activity: it finds what the run left on storage that the workflow has not judged yet (a checkpoint
+committed just before the crash, a write that never committed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,31 +21,18 @@ import structlog
 from pydantic import BaseModel
 from temporalio import activity
 
+from activities.reporting import Heartbeat, signal_run
 from activities.telemetry import records
 from core.checkpoints import norm_problem
-from core.launch import NodeEndpoint
+from core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
+from core.recovery import verify
+from core.retention import to_delete
 from core.run import CheckpointRecord
 from core.telemetry import CheckpointCommitted
 from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_manifest, within_root
 from training.validate import TestLoad
 
 log = structlog.get_logger()
-
-
-class KeeperInput(BaseModel):
-    run_id: str
-    generation: int
-    root: str
-    endpoints: list[NodeEndpoint]
-    after: dict[str, int]
-    reference: CheckpointRecord | None  # the newest validated checkpoint: the norm band's anchor
-    delete: list[str]  # checkpoint directories retention dropped
-
-
-class KeeperResult(BaseModel):
-    checkpoint: CheckpointRecord
-    after: dict[str, int]
-    deleted: list[str]
 
 
 class ChooseInput(BaseModel):
@@ -69,7 +58,7 @@ class _Loader:
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
 
-    async def test_load(self, directory: Path) -> TestLoad:
+    async def test_load(self, directory: Path, heartbeat: Callable[[], None]) -> TestLoad:
         async with self._lock:
             if self._process is None or self._process.returncode is not None:
                 self._process = await asyncio.create_subprocess_exec(
@@ -86,7 +75,7 @@ class _Loader:
             answer = asyncio.ensure_future(process.stdout.readline())
             try:
                 while not answer.done():
-                    activity.heartbeat(f"test-loading {directory.name}")
+                    heartbeat()
                     await asyncio.wait([answer], timeout=2.0)
             except asyncio.CancelledError:
                 process.kill()  # it is mid-load: a fresh one serves the next request
@@ -100,13 +89,13 @@ class _Loader:
 _loader = _Loader()
 
 
-async def validate(root: str, path: str, reference: CheckpointRecord | None) -> Verdict:
+async def validate(root: str, path: str, reference: CheckpointRecord | None, heartbeat: Callable[[], None]) -> Verdict:
     """All shards present, digests match, a test load in another process, norms within the run's band."""
     try:
         directory = within_root(root, path)
     except CheckpointError as exc:
         return Verdict(validated=False, reason=str(exc))
-    result = await _loader.test_load(directory)
+    result = await _loader.test_load(directory, heartbeat)
     if not result.ok:
         return Verdict(validated=False, reason="; ".join(result.problems))
     history = [reference] if reference is not None else []
@@ -129,31 +118,71 @@ def _delete(root: str, paths: list[str]) -> list[str]:
     return deleted
 
 
-@activity.defn
-async def keep_checkpoints(input: KeeperInput) -> KeeperResult:
-    """Delete what retention dropped; wait for the generation's next checkpoint; validate it."""
-    deleted = _delete(input.root, input.delete)
-    after = dict(input.after)
+class Shelf:
+    """The run's checkpoints as the keeper sees them: the records the workflow had when the generation
+    started, and the keeper's own verdicts since. The workflow changes no record in between (a record
+    turns suspect or superseded only when a generation ends), so retention over this list is what it
+    would decide itself."""
+
+    def __init__(self, keeper: KeeperInput, records: list[CheckpointRecord]) -> None:
+        self.keeper = keeper
+        self.records = records
+        self.verified_step = keeper.verified_step
+
+    def reference(self) -> CheckpointRecord | None:
+        """The newest resumable checkpoint: the norm band's anchor."""
+        return max((c for c in self.records if c.resumable), key=lambda c: c.step, default=None)
+
+    def add(self, checkpoint: CheckpointRecord) -> list[CheckpointRecord]:
+        """File a verdict; what retention drops now."""
+        self.records.append(checkpoint)
+        self.verified_step = max(self.verified_step, checkpoint.last_verified_step)
+        verify(self.records, self.verified_step)
+        keeper = self.keeper
+        return to_delete(self.records, keeper.started_at, keeper.sdc_check_steps, keeper.checkpoint_steps)
+
+    def forget(self, deleted: list[str]) -> None:
+        self.records = [c for c in self.records if c.path not in deleted]
+
+
+async def keep_checkpoints(input: MonitorInput, keeper: KeeperInput, beat: Heartbeat) -> None:
+    """Judge each checkpoint the generation commits, delete what retention drops, signal the verdict.
+    Returns only when the workflow run is gone."""
+    after = {str(k): int(v) for k, v in beat.resumed.get("checkpoints_after", keeper.after).items()}
+    shelved = beat.resumed.get("shelf")
+    shelf = Shelf(keeper, [CheckpointRecord.model_validate(c) for c in shelved] if shelved else keeper.checkpoints)
     async for record in records(input.run_id, input.endpoints, after, only=["committed"]):
-        if record is None:
-            activity.heartbeat("waiting for the next checkpoint")
-            continue
-        after[record.node] = record.seq
-        message = record.message
-        if isinstance(message, CheckpointCommitted) and message.generation == input.generation:
-            verdict = await validate(input.root, message.path, input.reference)
-            checkpoint = CheckpointRecord(
-                step=message.step,
-                path=message.path,
-                generation=message.generation,
-                blocking_seconds=message.blocking_s,
-                written_at=datetime.now(UTC),
-                last_verified_step=message.last_verified_step,
-                **verdict.model_dump(),
-            )
-            log.info("checkpoint judged", run_id=input.run_id, step=message.step, validated=verdict.validated)
-            return KeeperResult(checkpoint=checkpoint, after=after, deleted=deleted)
-    raise AssertionError("the telemetry stream never ends")
+        if record is not None:
+            message = record.message
+            if isinstance(message, CheckpointCommitted) and message.generation == input.generation:
+                checkpoint = await judge(input.run_id, keeper.root, message, shelf.reference(), beat)
+                deleted = await asyncio.to_thread(_delete, keeper.root, [c.path for c in shelf.add(checkpoint)])
+                shelf.forget(deleted)
+                cursor = after | {record.node: record.seq}
+                judged = CheckpointJudged(
+                    generation=input.generation, checkpoint=checkpoint, after=cursor, deleted=deleted
+                )
+                if not await signal_run(CHECKPOINT_JUDGED, judged):
+                    return
+                beat(shelf=[c.model_dump(mode="json") for c in shelf.records])
+            after[record.node] = record.seq
+        beat(checkpoints_after=after)
+
+
+async def judge(
+    run_id: str, root: str, message: CheckpointCommitted, reference: CheckpointRecord | None, beat: Heartbeat
+) -> CheckpointRecord:
+    verdict = await validate(root, message.path, reference, beat)
+    log.info("checkpoint judged", run_id=run_id, step=message.step, validated=verdict.validated)
+    return CheckpointRecord(
+        step=message.step,
+        path=message.path,
+        generation=message.generation,
+        blocking_seconds=message.blocking_s,
+        written_at=datetime.now(UTC),
+        last_verified_step=message.last_verified_step,
+        **verdict.model_dump(),
+    )
 
 
 @activity.defn
@@ -175,7 +204,7 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
                 found.append(_record(entry, step, generation, Verdict(validated=False, reason=reason)))
                 shutil.rmtree(entry, ignore_errors=True)
             continue
-        verdict = await validate(input.root, str(entry), input.reference)
+        verdict = await validate(input.root, str(entry), input.reference, heartbeat=lambda: None)  # a local activity
         found.append(_record(entry, step, generation, verdict))
     return found
 

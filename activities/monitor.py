@@ -1,14 +1,18 @@
-"""The run monitor: one long-running activity per generation that reads every node's telemetry and
-runs the detectors (core/detectors.py) on it.
+"""The run monitor: one long-running activity per generation that reads every node's telemetry, with
+two loops.
 
-It heartbeats a live summary (step, loss, steps/s, step-time p50/max, slowest rank) and signals the
-workflow a typed event only when the workflow has something to decide: the first step of a
-generation, a hang, a straggler, a slowdown of the whole run, a failed SDC check, a skipped update,
-or a stretch of healthy windows for the fleet's baseline. It runs until the workflow cancels it (the
-generation ended), so a report costs the history one signal, not an activity's end and the next
-one's start. History grows with decisions, not steps. What it already reported (its cursor per node,
-the stragglers and slowdown it knows of) travels in its heartbeats, so a monitor restarted on another
-supervisor worker resumes where the last one stopped.
+The watch loop runs the detectors (core/detectors.py). It heartbeats a live summary (step, loss,
+steps/s, step-time p50/max, slowest rank) and signals the workflow a typed event only when the
+workflow has something to decide: the first step of a generation, a hang, a straggler, a slowdown of
+the whole run, a failed SDC check, a skipped update, or a stretch of healthy windows for the fleet's
+baseline. The keeper loop (activities/checkpoints.py) judges each checkpoint the ranks commit and
+signals the verdict.
+
+It runs until the workflow cancels it (the generation ended), so a report costs the history one
+signal, not an activity's end and the next one's start, and a generation has one activity to cancel
+besides its ranks. History grows with decisions, not steps. What it already reported (its cursors,
+the stragglers and slowdown it knows of, the checkpoints it kept) travels in its heartbeats, so a
+monitor restarted on another supervisor worker resumes where the last one stopped.
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ import asyncio
 import contextlib
 import statistics
 import time
-from typing import Literal
+from collections.abc import Coroutine
+from typing import Any, Literal
 
 import numpy as np
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError, RPCStatusCode
 
+from activities.checkpoints import keep_checkpoints
+from activities.reporting import Heartbeat, signal_run
 from activities.telemetry import records
 from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
 from core.diagnosis import GpuHealth, Verdict, diagnose
@@ -49,21 +55,17 @@ from core.telemetry import Anomaly, Finished, GpuReport, Held, Record, Resumed, 
 HEARTBEAT_SECONDS = 1.0
 
 
-def resumed_cursor(after: dict[str, int]) -> dict[str, int]:
+def resumed_cursor(beat: Heartbeat, after: dict[str, int]) -> dict[str, int]:
     """The cursor of this attempt: the last heartbeat's, when an earlier attempt died mid-way."""
-    details = activity.info().heartbeat_details
-    if details and isinstance(details[0], dict) and "after" in details[0]:
-        return {str(k): int(v) for k, v in details[0]["after"].items()}
-    return dict(after)
+    return {str(k): int(v) for k, v in beat.resumed.get("after", after).items()}
 
 
-def resumed_knowledge(input: MonitorInput) -> MonitorInput:
+def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
     """What an earlier attempt had already reported (the last heartbeat's), so that it is not reported
     again; the workflow also ignores a report it already has."""
-    details = activity.info().heartbeat_details
-    if not (details and isinstance(details[0], dict) and "known_stragglers" in details[0]):
+    known = beat.resumed
+    if "known_stragglers" not in known:
         return input
-    known = details[0]
     return input.model_copy(
         update={
             "known_stragglers": [int(r) for r in known["known_stragglers"]],
@@ -232,10 +234,20 @@ class _Detectors:
 
 @activity.defn
 async def monitor_run(input: MonitorInput) -> None:
-    """Watch the generation until the workflow cancels it, signalling each finding. A hang or a failed
-    SDC check ends the generation: after one, it only waits to be cancelled."""
-    after = resumed_cursor(input.after)
-    seen = _Detectors(resumed_knowledge(input))
+    """Watch the generation until the workflow cancels it: signal each finding of the detectors and, with
+    a keeper, each checkpoint's verdict."""
+    beat = Heartbeat()
+    loops = [watch(input, beat)]
+    if input.keeper is not None:
+        loops.append(keep_checkpoints(input, input.keeper, beat))
+    await _until_one_returns(loops)
+
+
+async def watch(input: MonitorInput, beat: Heartbeat) -> None:
+    """Run the detectors over every record, signalling what they find. A hang or a failed SDC check
+    ends the generation: after one, it only heartbeats. Returns only when the workflow run is gone."""
+    after = resumed_cursor(beat, input.after)
+    seen = _Detectors(resumed_knowledge(beat, input))
     next_heartbeat = 0.0
     async with contextlib.aclosing(records(input.run_id, input.endpoints, after)) as stream:
         async for record in stream:
@@ -245,42 +257,41 @@ async def monitor_run(input: MonitorInput) -> None:
                 after[record.node] = record.seq
             if (event := event or seen.hang()) is not None:
                 found = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
-                if not await report(found):
-                    return  # the run has moved on (continued as new, or ended): nobody is listening
+                if not await signal_run(MONITOR_REPORT, found):
+                    return
                 seen.reported(event)
                 if isinstance(event, Hang | SdcDetected):
                     break
             if time.monotonic() >= next_heartbeat:
-                activity.heartbeat({"after": after, "progress": seen.summary().model_dump(), **seen.knowledge()})
+                beat(after=after, progress=seen.summary().model_dump(), **seen.knowledge())
                 next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
     while True:  # until cancelled
-        activity.heartbeat({"after": after, "progress": seen.summary().model_dump(), **seen.knowledge()})
+        beat(after=after, progress=seen.summary().model_dump(), **seen.knowledge())
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
-async def report(report: MonitorReport) -> bool:
-    """Signal a report to this attempt's own workflow run (the segment that started the monitor);
-    False when that run is closed (a signal to it is refused as not found)."""
-    info = activity.info()
-    assert info.workflow_id is not None, "the monitor runs in a workflow"
-    workflow = activity.client().get_workflow_handle(info.workflow_id, run_id=info.workflow_run_id)
+async def _until_one_returns(loops: list[Coroutine[Any, Any, None]]) -> None:
+    """Run the loops side by side until one returns (or raises); then stop the others."""
+    tasks = [asyncio.ensure_future(loop) for loop in loops]
     try:
-        await workflow.signal(MONITOR_REPORT, report)
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
-    return True
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @activity.defn
 async def await_hold(input: MonitorInput) -> Held:
     """Wait until every rank of the generation has finished the same step, checkpointed it and holds."""
-    after = resumed_cursor(input.after)
+    beat = Heartbeat()
+    after = resumed_cursor(beat, input.after)
     held: dict[int, Held] = {}
     async for record in records(input.run_id, input.endpoints, after, only=["held"]):
         if record is None:
-            activity.heartbeat({"after": after, "held": sorted(held)})
+            beat(after=after, held=sorted(held))
             continue
         after[record.node] = record.seq
         message = record.message

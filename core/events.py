@@ -3,13 +3,14 @@ decision to make."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field
 
 from core.diagnosis import Verdict
 from core.launch import NodeEndpoint
-from core.run import Progress
+from core.run import CheckpointRecord, Progress
 from core.telemetry import Anomaly, SdcCheck
 
 
@@ -50,6 +51,19 @@ class NodeLost(BaseModel):
 NodeOutcome = Annotated[Union[RanksFinished, RankFailed], Field(discriminator="kind")]  # noqa: UP007
 
 
+class KeeperInput(BaseModel):
+    """The run monitor's checkpoint keeper: judge each checkpoint the generation commits, and delete
+    what retention (core/retention.py) no longer needs."""
+
+    root: str
+    after: dict[str, int] = {}  # per node: the last `committed` record already judged
+    checkpoints: list[CheckpointRecord]  # the run's records not yet deleted, as the workflow has them
+    verified_step: int = 0  # the SDC watermark
+    started_at: datetime  # retention's six-hour milestones count from the run's start
+    sdc_check_steps: float
+    checkpoint_steps: float  # the interval this generation's ranks were given, in steps
+
+
 class MonitorInput(BaseModel):
     run_id: str
     generation: int
@@ -67,6 +81,7 @@ class MonitorInput(BaseModel):
     slowdown_known: bool = False
     healthy_windows: int = 10  # report this many healthy window medians at a time (for the baseline)
     tally_s: float = 30.0  # how often a known straggler's or slowdown's cost is reported (SlownessTally)
+    keeper: KeeperInput | None = None  # judge the generation's checkpoints too
 
 
 class FirstStep(BaseModel):
@@ -171,3 +186,16 @@ class MonitorReport(BaseModel):
 
     generation: int
     event: MonitorEvent
+
+
+# The signal that carries a CheckpointJudged from the run monitor's keeper to its RunWorkflow.
+CHECKPOINT_JUDGED = "checkpoint_judged"
+
+
+class CheckpointJudged(BaseModel):
+    """A checkpoint the generation committed, with the keeper's verdict, and what retention deleted."""
+
+    generation: int
+    checkpoint: CheckpointRecord
+    after: dict[str, int]  # the keeper's cursor once it had judged this one
+    deleted: list[str]  # checkpoint directories retention dropped

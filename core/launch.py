@@ -33,7 +33,7 @@ class NodeEndpoint(BaseModel):
 
     node: str
     hub: Endpoint
-    rendezvous: Endpoint | None = None  # only on the node that hosts the run's store
+    rendezvous: Endpoint | None = None  # only on the node that hosts the generation's store
 
 
 class NodeLaunch(BaseModel):

@@ -6,8 +6,8 @@ RunWorkflow run a whole run in seconds. Every activity returns at once or waits 
 never on a long sleep: in the time-skipping test server, time runs for real while an activity is
 outstanding, so simulated time is the step numbers and timestamps these activities report.
 
-An activity the workflow cancels (a monitor or keeper with nothing more to report, the ranks of a
-generation another node ended) waits heartbeating: a cancel reaches an activity only in the reply
+An activity the workflow cancels (a monitor with nothing more to report, the ranks of a generation
+another node ended) waits heartbeating: a cancel reaches an activity only in the reply
 to a heartbeat. Run these workers with a short `max_heartbeat_throttle_interval` (sim/workers.py
 does) so that cancelled activities go away at once.
 """
@@ -23,13 +23,21 @@ from typing import Any, NoReturn
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult
+from activities.checkpoints import ChooseInput
 from activities.fleet import RecordWindows, Replace, Replacement
-from activities.monitor import report
 from activities.node import NodeCommand, NodeStacks, PrepareNode
 from activities.paging import deliver_webhook, page
+from activities.reporting import signal_run
 from activities.selftest import SelfTestInput
-from core.events import FirstStep, MonitorInput, MonitorReport, NodeOutcome
+from core.events import (
+    CHECKPOINT_JUDGED,
+    MONITOR_REPORT,
+    CheckpointJudged,
+    FirstStep,
+    MonitorInput,
+    MonitorReport,
+    NodeOutcome,
+)
 from core.fleet import EvictionOutcome, SelfTestResult
 from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch
@@ -103,7 +111,6 @@ class SimulatedSupervisor:
         return [
             self.monitor_run,
             self.await_hold,
-            self.keep_checkpoints,
             self.choose_checkpoint,
             self.acquire_nodes,
             self.replace_node,
@@ -130,28 +137,26 @@ class SimulatedSupervisor:
                 progress=generation.first_step(),
                 after=input.after,
             )
-            await report(MonitorReport(generation=input.generation, event=first))
+            await signal_run(MONITOR_REPORT, MonitorReport(generation=input.generation, event=first))
         # The workflow has the first step (or had it before a continue-as-new). No detector is
-        # simulated (hangs, stragglers): nothing more to report until the generation ends.
+        # simulated (hangs, stragglers): what is left to report is each checkpoint, once committed.
         self.cluster.take_first_step(generation)
+        assert input.keeper is not None
+        cursor = input.keeper.after.get(CURSOR, 0)
+        while (pending := generation.checkpoint_after(cursor)) is not None:
+            cursor, step = pending
+            await until(self.cluster, lambda: True, not_before=generation.committed_at(step))
+            judged = CheckpointJudged(
+                generation=input.generation, checkpoint=generation.checkpoint(step), after={CURSOR: cursor}, deleted=[]
+            )
+            if not await signal_run(CHECKPOINT_JUDGED, judged):
+                return  # the run continued as new: the next segment's monitor reports it
+            self.cluster.take_checkpoints(input.run_id, cursor)
         await until_cancelled(self.cluster)
 
     @activity.defn(name="await_hold")
     async def await_hold(self, input: MonitorInput) -> Held:
         raise ApplicationError("the simulator does not model holds (drain, pause) yet", non_retryable=True)
-
-    @activity.defn(name="keep_checkpoints")
-    async def keep_checkpoints(self, input: KeeperInput) -> KeeperResult:
-        cursor = input.after.get(CURSOR, 0)
-        self.cluster.take_checkpoints(input.run_id, cursor)
-        generation = await launched(self.cluster, input.run_id, input.generation)
-        pending = generation.checkpoint_after(cursor)
-        if pending is None:
-            await until_cancelled(self.cluster)
-        seq, step = pending
-        # Reported after the first step is recorded, so that progress only moves forward.
-        await until(self.cluster, lambda: generation.first_step_taken, not_before=generation.committed_at(step))
-        return KeeperResult(checkpoint=generation.checkpoint(step), after={CURSOR: seq}, deleted=input.delete)
 
     @activity.defn(name="choose_checkpoint")
     async def choose_checkpoint(self, input: ChooseInput) -> list[CheckpointRecord]:

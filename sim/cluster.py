@@ -7,8 +7,9 @@ ends where the failure schedule says (a rank crashes) or at the target step. Ste
 `first_step_at + (s - resume - 1) * step_seconds`, on the cluster's clock.
 
 The simulation stays in lockstep with the workflow: a generation reports its end only once the
-workflow has recorded its first step and every checkpoint it committed, which the workflow says
-by the cursors it passes back (as with the real run monitor and checkpoint keeper). So the
+workflow has its first step and every checkpoint it committed, which the simulated monitor knows
+when the workflow run accepted its signal (a signal in history comes before the crash report that
+follows it, and a verdict signalled as a run continues-as-new is carried to the next one). So the
 timeline the workflow records is exactly the one the schedule describes, however the activities
 interleave.
 """
@@ -29,7 +30,7 @@ from core.run import CheckpointRecord, Progress
 from training.checkpoint import checkpoint_dirname, parse_checkpoint_dirname
 from training.supervision import SupervisionConfig
 
-# The key of the checkpoint cursor: the sequence number of the last checkpoint the workflow recorded.
+# The key of the checkpoint cursor: the sequence number of the last checkpoint the workflow has.
 CURSOR = "sim"
 
 
@@ -128,7 +129,7 @@ class SimulatedGeneration:
 @dataclass
 class _Run:
     generations: dict[int, SimulatedGeneration] = field(default_factory=dict)
-    recorded: int = 0  # the checkpoint cursor the workflow last passed back
+    recorded: int = 0  # the sequence number of the last checkpoint the workflow run accepted
     next_checkpoint: int = 1  # the sequence number of the next checkpoint committed
 
 
@@ -210,7 +211,7 @@ class SimulatedCluster:
         self.notify()
 
     def take_checkpoints(self, run_id: str, cursor: int) -> None:
-        """The workflow has recorded every checkpoint up to `cursor`."""
+        """The workflow has every checkpoint up to `cursor`."""
         run = self._runs.setdefault(run_id, _Run())
         if cursor > run.recorded:
             run.recorded = cursor
@@ -243,7 +244,8 @@ class SimulatedCluster:
         return record
 
     def take_spare(self, run_id: str, candidates: list[str]) -> str | None:
-        spare = next((n for n in candidates if n in self.holders and self.holders[n] is None), None)
+        # As the fleet's: a candidate this run holds was taken by an earlier attempt of the same request.
+        spare = next((n for n in candidates if n in self.holders and self.holders[n] in (None, run_id)), None)
         if spare is not None:
             self.holders[spare] = run_id
         return spare

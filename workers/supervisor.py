@@ -21,7 +21,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from activities.checkpoints import choose_checkpoint, keep_checkpoints
+from activities.checkpoints import choose_checkpoint
 from activities.fleet import FleetActivities
 from activities.metrics import Exporter, refresh
 from activities.monitor import await_hold, monitor_run
@@ -82,7 +82,6 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
         activities=[
             monitor_run,
             await_hold,
-            keep_checkpoints,
             choose_checkpoint,
             fleet.acquire_nodes,
             fleet.replace_node,

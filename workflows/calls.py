@@ -10,7 +10,7 @@ from temporalio.common import RetryPolicy
 from temporalio.workflow import ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from activities.checkpoints import ChooseInput, KeeperInput, KeeperResult, choose_checkpoint, keep_checkpoints
+    from activities.checkpoints import ChooseInput, choose_checkpoint
     from activities.fleet import FleetActivities, RecordWindows, Replace, Replacement
     from activities.monitor import await_hold, monitor_run
     from activities.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
@@ -65,7 +65,8 @@ def monitor(input: MonitorInput) -> ActivityHandle[None]:
         start_to_close_timeout=FOREVER,
         heartbeat_timeout=timedelta(seconds=10),
         retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)),
-        summary=f"watch generation {input.generation}: signal {first}hangs, stragglers, slowdowns, SDC",
+        summary=f"watch generation {input.generation}: signal {first}hangs, stragglers, slowdowns, SDC "
+        "and each checkpoint's verdict",
     )
 
 
@@ -79,25 +80,15 @@ async def hold(input: MonitorInput) -> Held:
     )
 
 
-def keeper(input: KeeperInput, last_step: int | None) -> ActivityHandle[KeeperResult]:
-    after = f" after step {last_step}" if last_step is not None else ""
-    deleting = f"; delete {len(input.delete)} that retention dropped" if input.delete else ""
-    return workflow.start_activity(
-        keep_checkpoints,
-        input,
-        start_to_close_timeout=FOREVER,
-        heartbeat_timeout=timedelta(seconds=30),
-        retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)),
-        summary=f"validate generation {input.generation}'s next checkpoint{after}{deleting}",
-    )
-
-
 async def choose(input: ChooseInput) -> list[CheckpointRecord]:
-    return await workflow.execute_activity(
+    """A local activity: every restart needs it before it can launch, storage is as near the supervisor
+    as to any worker, and it is usually a directory listing. Run beside the workflow, it costs the
+    history one marker, not three events and a workflow task; a long test load keeps its workflow
+    task alive through the SDK's workflow-task heartbeats."""
+    return await workflow.execute_local_activity(
         choose_checkpoint,
         input,
         start_to_close_timeout=timedelta(minutes=30),
-        heartbeat_timeout=timedelta(seconds=30),
         summary=f"judge the checkpoints generation {input.generation - 1} left behind",
     )
 

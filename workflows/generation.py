@@ -1,5 +1,5 @@
-"""One generation's activities: `run_ranks` on every node, the run monitor (which reports by signal),
-the checkpoint keeper.
+"""One generation's activities: `run_ranks` on every node, and the run monitor, which reports what it
+finds and each checkpoint's verdict by signal.
 
 A generation starts one of three ways: fresh ranks restoring a checkpoint (the first launch, or
 after a crash), survivors rejoining in place after a hold (drain, pause), or re-attaching to ranks
@@ -17,11 +17,9 @@ from temporalio.workflow import ActivityHandle
 from workflows import calls
 
 with workflow.unsafe.imports_passed_through():
-    from activities.checkpoints import KeeperInput, KeeperResult
-    from core.events import MonitorInput, NodeOutcome
+    from core.events import KeeperInput, MonitorInput, NodeOutcome
     from core.faults import HARDWARE
     from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
-    from core.retention import to_delete
     from core.run import RunStatus
 
 
@@ -29,25 +27,27 @@ with workflow.unsafe.imports_passed_through():
 class Generation:
     number: int
     nodes: dict[str, ActivityHandle[NodeOutcome]]
-    monitor: ActivityHandle[None] | None  # runs until cancelled; what it finds arrives as signals
-    keeper: ActivityHandle[KeeperResult] | None
+    # Runs until cancelled; what it finds, and each checkpoint's verdict, arrive as signals. None for a
+    # plain script (no hooks): no telemetry, no checkpoints of ours.
+    monitor: ActivityHandle[None] | None
     finished: set[str] = field(default_factory=set)
 
     def waiting(self) -> list[asyncio.Future]:
-        running = [task for node, task in self.nodes.items() if node not in self.finished]
-        return running + ([self.keeper] if self.keeper is not None else [])
+        return [task for node, task in self.nodes.items() if node not in self.finished]
 
     async def cancel(self) -> None:
         """Stop watching. The ranks themselves keep running until an activity stops them."""
-        live = [h for h in [*self.nodes.values(), self.monitor, self.keeper] if h is not None and not h.done()]
+        live = [h for h in [*self.nodes.values(), self.monitor] if h is not None and not h.done()]
         for handle in live:
             handle.cancel()
         await asyncio.gather(*live, return_exceptions=True)
 
 
-def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[None]:
+def monitor(status: RunStatus, first_step: bool, checkpoint_steps: float) -> ActivityHandle[None]:
     resume = status.latest_valid_checkpoint()
-    health = status.spec.health
+    spec = status.spec
+    health = spec.health
+    assert status.started_at is not None
     return calls.monitor(
         MonitorInput(
             run_id=status.run_id,
@@ -65,42 +65,36 @@ def monitor(status: RunStatus, first_step: bool) -> ActivityHandle[None]:
             slowdown_known=status.slowdown_known(),
             healthy_windows=health.baseline_windows,
             tally_s=health.slowness_tally,
+            keeper=KeeperInput(
+                root=spec.checkpoint.root,
+                after=status.checkpoint_cursor,
+                checkpoints=[c for c in status.checkpoints if not c.deleted],
+                verified_step=status.verified_step,
+                started_at=status.started_at,
+                sdc_check_steps=spec.sdc.self_check_every,
+                checkpoint_steps=checkpoint_steps,
+            ),
         )
     )
 
 
-def keeper(status: RunStatus, checkpoint_steps: float) -> ActivityHandle[KeeperResult]:
-    assert status.started_at is not None
-    dropped = to_delete(status.checkpoints, status.started_at, status.spec.sdc.self_check_every, checkpoint_steps)
-    mine = [c.step for c in status.checkpoints if c.generation == status.generation]
-    return calls.keeper(
-        KeeperInput(
-            run_id=status.run_id,
-            generation=status.generation,
-            root=status.spec.checkpoint.root,
-            endpoints=status.endpoints,
-            after=status.checkpoint_cursor,
-            reference=status.latest_valid_checkpoint(),
-            delete=[c.path for c in dropped],
-        ),
-        max(mine, default=None),
-    )
-
-
 async def endpoints(status: RunStatus, fresh_store: bool) -> list[NodeEndpoint]:
-    """Every node's agent, in node order: asked again only for nodes new to the run and for the node
-    that hosts this generation's rendezvous store (a fresh one every generation)."""
+    """Every node's agent, in node order. Asked only of nodes new to the run and, for a fresh rendezvous
+    store (every generation but a re-attach), of the node that hosts it: a newcomer when there is one,
+    since it is asked anyway, else the first node."""
     known = {e.node: e for e in status.endpoints}
-    host = status.nodes[0]
+    newcomers = [n for n in status.nodes if n not in known]
+    for node in newcomers:  # new to the run, or back: its agent numbers the run's records from 1 again
+        status.telemetry_cursor.pop(node, None)
+        status.checkpoint_cursor.pop(node, None)
+    host = next(iter(newcomers), status.nodes[0]) if fresh_store else None
+    asked = newcomers + ([host] if host is not None and host not in newcomers else [])
     answer_within = status.spec.health.node_heartbeat_timeout
-    for node in status.nodes:
-        if node not in known:  # new to the run, or back: its agent numbers the run's records from 1 again
-            status.telemetry_cursor.pop(node, None)
-            status.checkpoint_cursor.pop(node, None)
-    asked = [n for n in status.nodes if n not in known or (n == host and fresh_store)]
     answers = await asyncio.gather(
         *(calls.prepare(status.run_id, status.generation, n, n == host, answer_within) for n in asked)
     )
+    if host is not None:  # the last generation's store is not this one's
+        known = {n: e.model_copy(update={"rendezvous": None}) for n, e in known.items()}
     known |= {e.node: e for e in answers}
     return [known[n] for n in status.nodes]
 
@@ -108,8 +102,8 @@ async def endpoints(status: RunStatus, fresh_store: bool) -> list[NodeEndpoint]:
 def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps: float) -> Generation:
     """Start (or re-attach to) the generation `status` describes; its endpoints are already known."""
     spec = status.spec
-    rendezvous = status.endpoints[0].rendezvous
-    assert rendezvous is not None, "the first node hosts the rendezvous store"
+    rendezvous = next((e.rendezvous for e in status.endpoints if e.rendezvous is not None), None)
+    assert rendezvous is not None, "one node hosts the generation's rendezvous store"
     membership = status.membership
     resume = status.latest_valid_checkpoint()
     env = spec.env | supervision_env(
@@ -150,11 +144,5 @@ def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps:
         )
         for node, ranks in assign_ranks(status.nodes, spec.ranks_per_node).items()
     }
-    hooks = spec.hooks
-    first_step = not status.reattach
-    return Generation(
-        number=status.generation,
-        nodes=nodes,
-        monitor=monitor(status, first_step) if hooks else None,
-        keeper=keeper(status, checkpoint_steps) if hooks else None,
-    )
+    watched = monitor(status, not status.reattach, checkpoint_steps) if spec.hooks else None
+    return Generation(number=status.generation, nodes=nodes, monitor=watched)

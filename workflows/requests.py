@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 from temporalio import workflow
 
-from workflows import calls, generation, incidents
+from workflows import calls, checkpoints, incidents
 from workflows.generation import Generation
 
 with workflow.unsafe.imports_passed_through():
@@ -93,11 +93,11 @@ async def hold(run: RunWorkflow, gen: Generation, why: str) -> int:
         )
     )
     run.set_state(RunState.CHECKPOINTING, f"{why}: validating the checkpoint of step {held.step}")
-    while gen.keeper is not None and not any(
+    while gen.monitor is not None and not any(
         c.step == held.step and c.generation == gen.number for c in status.checkpoints
     ):
-        run.on_checkpoint(await gen.keeper)
-        gen.keeper = generation.keeper(status, run.checkpoint_steps())
+        await workflow.wait_condition(lambda: bool(run.verdicts))
+        checkpoints.take_verdicts(run, gen)
     return held.step
 
 

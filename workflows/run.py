@@ -15,20 +15,21 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey
+from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError
 
-from workflows import calls, generation, incidents, requests, stragglers
+from workflows import calls, checkpoints, generation, incidents, requests, stragglers
 from workflows.generation import Generation
 from workflows.requests import Request
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from activities.checkpoints import ChooseInput, KeeperResult
     from core.events import (
+        CHECKPOINT_JUDGED,
         MONITOR_REPORT,
         AnomalyFound,
+        CheckpointJudged,
         FirstStep,
         Hang,
         HealthyWindows,
@@ -45,7 +46,6 @@ with workflow.unsafe.imports_passed_through():
     from core.goodput import ledger
     from core.health import Health, health_table
     from core.interval import checkpoint_seconds, checkpoint_steps
-    from core.recovery import mark_suspect, supersede, verify
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.spec import RunSpec
     from core.telemetry import Command
@@ -53,6 +53,12 @@ with workflow.unsafe.imports_passed_through():
 TASK_QUEUE = "stayalive"
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)
+# Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
+# the middle of a generation only once the server's suggestion is this old (a long healthy stretch).
+REATTACH_AFTER = timedelta(minutes=10)
+# Step and Goodput are for listing and filtering runs: refreshed with every state change, and between
+# changes at a checkpoint at most this often (each refresh is a history event; `health` is live).
+LISTING_REFRESH = timedelta(minutes=5)
 CommandKind = Literal["checkpoint", "hold", "exit", "rebalance"]
 RUN_STATE = SearchAttributeKey.for_keyword("RunState")
 STEP = SearchAttributeKey.for_int("Step")
@@ -63,6 +69,9 @@ class CarriedRun(BaseModel):
     """What continue-as-new hands to the next segment of the same run."""
 
     status: RunStatus
+    # Verdicts signalled while the segment was closing: the next one re-attaches to the same
+    # generation and records them (a duplicate of one its monitor judges again is ignored).
+    verdicts: list[CheckpointJudged] = []
 
 
 RunInput = Annotated[
@@ -86,8 +95,9 @@ class ResumeFrom(BaseModel):
 class RunWorkflow:
     @workflow.init
     def __init__(self, input: RunInput) -> None:
+        self.verdicts: list[CheckpointJudged] = []  # from the run monitor's keeper, in the order it sent them
         if isinstance(input, CarriedRun):
-            self.status = input.status
+            self.status, self.verdicts = input.status, input.verdicts
         else:
             info = workflow.info()
             self.status = RunStatus(
@@ -97,6 +107,8 @@ class RunWorkflow:
         self.requests: list[Request] = []
         self.reports: list[MonitorReport] = []  # from the run monitor, in the order it sent them
         self.resumed = False
+        self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
+        self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
 
     @property
     def spec(self) -> RunSpec:
@@ -116,9 +128,9 @@ class RunWorkflow:
                     await requests.stopped(self)
                     continue
                 await self._supervise(await self._start())
-                if self._continue_as_new_due():
+                if self._continue_as_new_due(between_generations=True):
                     await workflow.wait_condition(workflow.all_handlers_finished)
-                    workflow.continue_as_new(CarriedRun(status=status))
+                    workflow.continue_as_new(CarriedRun(status=status, verdicts=self.verdicts))
         except asyncio.CancelledError:
             await self._release()
             self.set_state(RunState.CANCELLED)
@@ -169,6 +181,11 @@ class RunWorkflow:
     def monitor_report(self, report: MonitorReport) -> None:
         """What the run monitor found (activities/monitor.py); handled by the main loop."""
         self.reports.append(report)
+
+    @workflow.signal(name=CHECKPOINT_JUDGED)
+    def checkpoint_judged(self, judged: CheckpointJudged) -> None:
+        """A checkpoint the ranks committed, with the keeper's verdict; recorded by the main loop."""
+        self.verdicts.append(judged)
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:
@@ -235,7 +252,7 @@ class RunWorkflow:
         # Judging what the last generation left and preparing the nodes do not wait for each other.
         asked = generation.endpoints(status, fresh_store=not status.reattach)
         if fresh and status.generation > 0:
-            status.endpoints, _ = await asyncio.gather(asked, self._judge_leftovers())
+            status.endpoints, _ = await asyncio.gather(asked, checkpoints.judge_leftovers(self))
         else:
             status.endpoints = await asked
         if status.interruptions and status.interruptions[-1].resumed_from is None:
@@ -248,7 +265,9 @@ class RunWorkflow:
     async def _supervise(self, gen: Generation) -> None:
         """Handle this generation's events until it ends (interruption, completion, a request, continue-as-new)."""
         while True:
-            ask = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self.requests or self.reports)))
+            ask = asyncio.ensure_future(
+                workflow.wait_condition(lambda: bool(self.requests or self.reports or self.verdicts))
+            )
             done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
             if not ask.done():
                 ask.cancel()
@@ -256,9 +275,7 @@ class RunWorkflow:
                 report = self.reports.pop(0)
                 if report.generation == gen.number and await self._on_report(gen, report.event):
                     return
-            if gen.keeper is not None and gen.keeper in done:
-                self.on_checkpoint(gen.keeper.result())
-                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
+            checkpoints.take_verdicts(self, gen)
             for node, task in gen.nodes.items():
                 if task in done:
                     outcome = await self.outcome(node, task)
@@ -273,7 +290,7 @@ class RunWorkflow:
             if self.requests:
                 await requests.carry_out(self, self.requests.pop(0), gen)
                 return
-            if self._continue_as_new_due():
+            if self._continue_as_new_due(between_generations=False):
                 self.status.reattach = True
                 await gen.cancel()
                 return
@@ -315,28 +332,6 @@ class RunWorkflow:
             # A heartbeat timeout: the node agent is gone (dead host, partition, killed agent).
             return NodeLost(node=node, detail=f"{exc.cause or exc}")
 
-    async def _judge_leftovers(self) -> None:
-        """Before choosing where to resume: validate what the last generation committed but nobody
-        judged yet, and record writes that never committed."""
-        status = self.status
-        found = await calls.choose(
-            ChooseInput(
-                run_id=self.run_id,
-                root=self.spec.checkpoint.root,
-                directory=status.checkpoint_dir,
-                generation=status.generation,
-                known=[c.path.rstrip("/").rsplit("/", 1)[-1] for c in status.checkpoints],
-                reference=status.latest_valid_checkpoint(),
-            )
-        )
-        status.checkpoints.extend(found)
-        for interruption in status.interruptions:
-            earlier = [c for c in found if c.generation <= interruption.generation]
-            if (check := interruption.sdc_check) is not None:  # what ranks halted by an SDC check left
-                mark_suspect(earlier, interruption.generation, check.last_verified)
-            if interruption.cause == Cause.ROLLBACK and interruption.resumed_from is not None:
-                supersede(earlier, interruption.resumed_from)  # committed before the rollback, judged after
-
     # -- events ---------------------------------------------------------------------------------
 
     def _on_monitor_event(self, event: MonitorEvent) -> None:
@@ -355,21 +350,10 @@ class RunWorkflow:
             if status.state in (RunState.LAUNCHING, RunState.RESUMING):
                 self.set_state(RunState.RUNNING)
 
-    def on_checkpoint(self, result: KeeperResult) -> None:
-        status = self.status
-        status.checkpoint_cursor = result.after
-        for record in status.checkpoints:
-            if record.path in result.deleted:
-                record.deleted = True
-        status.checkpoints.append(result.checkpoint)
-        status.verified_step = max(status.verified_step, result.checkpoint.last_verified_step)
-        verify(status.checkpoints, status.verified_step)
-        status.progress.step = max(status.progress.step, result.checkpoint.step)
-        if status.state == RunState.CHECKPOINTING:
-            self.set_state(RunState.RUNNING)
-        workflow.upsert_search_attributes(
-            [STEP.value_set(status.progress.step), GOODPUT.value_set(ledger(status, workflow.now()).goodput)]
-        )
+    def list_progress(self) -> None:
+        """Refresh Step and Goodput between state changes, at most every LISTING_REFRESH."""
+        if self.listed_at is None or workflow.now() - self.listed_at >= LISTING_REFRESH:
+            self._list()
 
     def record(self, interruption: Interruption) -> None:
         """Add the interruption to the timeline; the generation that follows fills in where it resumed."""
@@ -386,26 +370,22 @@ class RunWorkflow:
     async def _finish(self, gen: Generation) -> None:
         """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
         target = self.spec.target_step
-        if gen.keeper is not None and target is not None:
+        if gen.monitor is not None and target is not None:
             # The keeper may still be validating what the ranks wrote last (or catching up after a
             # supervisor restart): take its verdicts until the final checkpoint's is among them.
-            if gen.monitor is not None:
-                gen.monitor.cancel()
             # A generation that resumed from the target's own checkpoint has nothing more to write.
             while not any(
                 c.step == target and (c.generation == gen.number or c.resumable) for c in self.status.checkpoints
             ):
-                keeper = gen.keeper
                 try:
-                    await workflow.wait_condition(keeper.done, timeout=FINAL_VERDICT_WITHIN)
+                    await workflow.wait_condition(lambda: bool(self.verdicts), timeout=FINAL_VERDICT_WITHIN)
                 except TimeoutError:
                     # Storage, not telemetry, is the record: judge what the ranks left there instead.
                     workflow.logger.warning("no verdict on the final checkpoint from the keeper; judging storage")
                     await gen.cancel()
-                    await self._judge_leftovers()
+                    await checkpoints.judge_leftovers(self)
                     break
-                self.on_checkpoint(keeper.result())
-                gen.keeper = generation.keeper(self.status, self.checkpoint_steps())
+                checkpoints.take_verdicts(self, gen)
             await gen.cancel()
             if not any(c.step == target and c.validated for c in self.status.checkpoints):
                 self.record(
@@ -432,8 +412,11 @@ class RunWorkflow:
         """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
         return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
 
-    def _continue_as_new_due(self) -> bool:
-        return workflow.info().is_continue_as_new_suggested() and not self.status.state.terminal
+    def _continue_as_new_due(self, between_generations: bool) -> bool:
+        if not workflow.info().is_continue_as_new_suggested() or self.status.state.terminal:
+            return False
+        self.suggested_at = self.suggested_at or workflow.now()
+        return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
 
     def _checkpoint_seconds(self) -> float | None:
         return checkpoint_seconds(self.status, workflow.now())
@@ -459,7 +442,13 @@ class RunWorkflow:
     def set_state(self, state: RunState, note: str = "") -> None:
         self.status.state = state
         workflow.set_current_details(health_table(self.status, note))
-        workflow.upsert_search_attributes([RUN_STATE.value_set(state.value)])
+        self._list(RUN_STATE.value_set(state.value))
+
+    def _list(self, *updates: SearchAttributeUpdate) -> None:
+        """Upsert what the web UI lists and filters runs by: Step and Goodput, and any `updates`."""
+        status, self.listed_at = self.status, workflow.now()
+        goodput = ledger(status, workflow.now()).goodput
+        workflow.upsert_search_attributes([*updates, STEP.value_set(status.progress.step), GOODPUT.value_set(goodput)])
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     wait = next(i for i, e in enumerate(after) if e[:2] == ("completed", "await_hold"))
     checkpoint = next(
         i
-        for i, (kind, name, result) in enumerate(after)
-        if (kind, name) == ("completed", "keep_checkpoints") and result["checkpoint"]["step"] == drain.step  # type: ignore[index]
+        for i, (kind, name, judged) in enumerate(after)
+        if (kind, name) == ("signaled", "checkpoint_judged") and judged["checkpoint"]["step"] == drain.step  # type: ignore[index]
     )
     resize = next(i for i, e in enumerate(after) if e[:2] == ("local", "replace_node"))
     relaunch = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "run_ranks"))
