@@ -25,7 +25,7 @@ from activities.reporting import Heartbeat, signal_run
 from activities.telemetry import records
 from core.checkpoints import norm_problem
 from core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
-from core.recovery import verify
+from core.recovery import file_judged
 from core.retention import to_delete
 from core.run import CheckpointRecord
 from core.telemetry import CheckpointCommitted
@@ -135,9 +135,7 @@ class Shelf:
 
     def add(self, checkpoint: CheckpointRecord) -> list[CheckpointRecord]:
         """File a verdict; what retention drops now."""
-        self.records.append(checkpoint)
-        self.verified_step = max(self.verified_step, checkpoint.last_verified_step)
-        verify(self.records, self.verified_step)
+        self.verified_step = file_judged(self.records, self.verified_step, checkpoint)
         keeper = self.keeper
         return to_delete(self.records, keeper.started_at, keeper.sdc_check_steps, keeper.checkpoint_steps)
 

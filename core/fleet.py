@@ -238,8 +238,7 @@ def take_spare(state: FleetState, run_id: str, candidates: list[str], now: datet
     check_run_id(run_id)
     for node in candidates:
         entry = state.nodes.get(node)
-        free = entry is not None and entry.run_id in (None, run_id)
-        if free and entry is not None and entry.state in (NodeState.SPARE, NodeState.HEALTHY):
+        if entry is not None and entry.run_id in (None, run_id) and entry.state in (NodeState.SPARE, NodeState.HEALTHY):
             _assign(entry, run_id, now)
             return node
     return None

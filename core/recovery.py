@@ -70,11 +70,15 @@ def mark_suspect(checkpoints: list[CheckpointRecord], generation: int, watermark
     return later
 
 
-def verify(checkpoints: list[CheckpointRecord], watermark: int) -> None:
-    """A check passed at `watermark`: every resumable checkpoint up to it is verified."""
+def file_judged(checkpoints: list[CheckpointRecord], watermark: int, judged: CheckpointRecord) -> int:
+    """Add a judged checkpoint; the SDC watermark after it (the newest step at which a check had passed
+    when it was written). Every resumable checkpoint up to the watermark is verified."""
+    checkpoints.append(judged)
+    watermark = max(watermark, judged.last_verified_step)
     for record in checkpoints:
         if record.step <= watermark and record.validated and not record.suspect:
             record.verified = True
+    return watermark
 
 
 def last_line(text: str) -> str:

@@ -15,7 +15,7 @@ from workflows.generation import Generation
 with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import ChooseInput
     from core.events import CheckpointJudged
-    from core.recovery import mark_suspect, supersede, verify
+    from core.recovery import file_judged, mark_suspect, supersede
     from core.run import Cause, RunState
 
 if TYPE_CHECKING:
@@ -39,9 +39,7 @@ def _record(run: RunWorkflow, judged: CheckpointJudged) -> None:
     if any(c.path == judged.checkpoint.path for c in status.checkpoints):
         return  # a monitor restarted from an older heartbeat judged it again
     status.checkpoint_cursor = judged.after
-    status.checkpoints.append(judged.checkpoint)
-    status.verified_step = max(status.verified_step, judged.checkpoint.last_verified_step)
-    verify(status.checkpoints, status.verified_step)
+    status.verified_step = file_judged(status.checkpoints, status.verified_step, judged.checkpoint)
     status.progress.step = max(status.progress.step, judged.checkpoint.step)
     if status.state == RunState.CHECKPOINTING:
         run.set_state(RunState.RUNNING)
