@@ -25,10 +25,10 @@ from temporalio.exceptions import ApplicationError
 
 from activities.checkpoints import ChooseInput
 from activities.fleet import RecordWindows, Replace, Replacement
-from activities.node import NodeCommand, NodeStacks, PrepareNode
 from activities.paging import deliver_webhook, page
 from activities.reporting import signal_run
-from activities.selftest import SelfTestInput
+from agent.node import NodeCommand, NodeStacks, PrepareNode
+from agent.selftest import SelfTestInput
 from core.events import (
     CHECKPOINT_JUDGED,
     MONITOR_REPORT,

@@ -19,11 +19,11 @@ from temporalio.client import Client, WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.gpu import gpu_telemetry
-from activities.hub import NodeHub
-from activities.node import NodeActivities
-from activities.selftest import SelfTestActivities
-from activities.standby import StandbyPool
+from agent.gpu import gpu_telemetry
+from agent.hub import NodeHub
+from agent.node import NodeActivities
+from agent.selftest import SelfTestActivities
+from agent.standby import StandbyPool
 from core.fleet_requests import RegisterNode, fleet_id
 from core.launch import node_queue
 from training.logs import configure_logging

@@ -13,8 +13,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.checkpoints import ChooseInput, choose_checkpoint
     from activities.fleet import FleetActivities, RecordWindows, Replace, Replacement
     from activities.monitor import await_hold, monitor_run
-    from activities.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
     from activities.paging import Page, deliver_webhook, page
+    from agent.node import NodeActivities, NodeCommand, NodeStacks, PrepareNode
     from core.events import MonitorInput, NodeOutcome
     from core.fleet import EvictionOutcome
     from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare

@@ -25,7 +25,7 @@ from temporalio.exceptions import TimeoutError as ActivityTimeout
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from activities.selftest import SelfTestActivities, SelfTestInput
+    from agent.selftest import SelfTestActivities, SelfTestInput
     from core import fleet
     from core.fleet import Baseline, EvictionOutcome, FleetNode, FleetState, NodeState, Quarantine, SelfTestResult
     from core.fleet_requests import (

@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
-from activities.selftest import SelfTestActivities
+from agent.selftest import SelfTestActivities
 from core.fleet import FleetNode, NodeState
 from core.fleet_requests import (
     Acquire,

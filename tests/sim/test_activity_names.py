@@ -14,8 +14,8 @@ import activities.checkpoints
 import activities.monitor
 import activities.paging
 from activities.fleet import FleetActivities
-from activities.node import NodeActivities
-from activities.selftest import SelfTestActivities
+from agent.node import NodeActivities
+from agent.selftest import SelfTestActivities
 from sim.activities import SimulatedNode, SimulatedSupervisor
 from sim.cluster import FailureSchedule, SimulatedCluster
 

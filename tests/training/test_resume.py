@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from activities.hub import NodeHub
+from agent.hub import NodeHub
 from core.launch import EXIT_CHECKPOINT_UNUSABLE
 from core.telemetry import Resumed, StepReport
 from tests.helpers import ROOT

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from temporalio import activity
 
-from activities.gpu import GpuTelemetry
-from activities.hub import NodeHub
-from activities.processes import RankProcess, start_rank, stop_ranks
-from activities.standby import StandbyPool
+from agent.gpu import GpuTelemetry
+from agent.hub import NodeHub
+from agent.processes import RankProcess, start_rank, stop_ranks
+from agent.standby import StandbyPool
 from core.events import NodeOutcome, RankFailed, RanksFinished
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env

@@ -1,6 +1,6 @@
 """Warm standbys for real: `python -m training.standby` processes that become ranks.
 
-Each test runs tests/activities/standby_probe.py as the rank; it reports (as JSON in its log) the
+Each test runs tests/agent/standby_probe.py as the rank; it reports (as JSON in its log) the
 argv, environment, cwd and sys.path it saw and whether torch was already warm when it started.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from activities.processes import RankProcess, start_rank, stop_ranks
-from activities.standby import StandbyPool
+from agent.processes import RankProcess, start_rank, stop_ranks
+from agent.standby import StandbyPool
 from tests.helpers import ROOT
 
-PROBE = ROOT / "tests" / "activities" / "standby_probe.py"
-MODULE = [sys.executable, "-m", "tests.activities.standby_probe"]
+PROBE = ROOT / "tests" / "agent" / "standby_probe.py"
+MODULE = [sys.executable, "-m", "tests.agent.standby_probe"]
 NEVER = 3600.0  # refill delay of a pool that must not refill during the test
 
 
@@ -98,7 +98,7 @@ async def test_a_standby_runs_a_script_entrypoint(pools: Callable[..., StandbyPo
     ("argv", "env"),
     [
         (["/bin/true"], {}),  # not python
-        ([sys.executable, "-u", "-m", "tests.activities.standby_probe"], {}),  # an interpreter option
+        ([sys.executable, "-u", "-m", "tests.agent.standby_probe"], {}),  # an interpreter option
         (MODULE, {"OMP_NUM_THREADS": "3"}),  # read when torch is imported: already too late
         (MODULE, {"CUDA_VISIBLE_DEVICES": "1"}),
     ],

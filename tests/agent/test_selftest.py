@@ -7,7 +7,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.selftest import CHECKS, SelfTestActivities, SelfTestInput
+from agent.selftest import CHECKS, SelfTestActivities, SelfTestInput
 from core.fleet import SelfTestResult
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from activities.processes import RankProcess, spawn
+from agent.processes import RankProcess, spawn
 from training.standby import Assignment, unfit
 
 log = structlog.get_logger()

@@ -10,7 +10,7 @@ import pydantic
 import pynvml
 import pytest
 
-from activities.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
+from agent.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
 from core.diagnosis import Diagnosis, GpuHealth, diagnose
 from core.faults import (
     EccErrors,
