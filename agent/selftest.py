@@ -1,4 +1,5 @@
-"""A node's self-test, run by its own node agent before a quarantined node may rejoin the pool.
+"""A node's self-test, run by its own node agent (asked over its hub by the supervisor's `self_test`
+activity) before a quarantined node may rejoin the pool.
 
 Three checks with known answers, each of which a sick accelerator fails in its own way:
 - known-answer GEMM: small integers, so the exact product is representable; any wrong element is
@@ -18,17 +19,14 @@ tensors; an NCCL variant for GPU hosts belongs here once it can be tested on one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import structlog
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
-from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from core.fleet import SelfTestResult
 
@@ -39,11 +37,6 @@ GEMM_SIZE = 256
 REPEAT_SIZE = 512
 COLLECTIVE_SIZE = 4096
 SEED = 20260101
-HEARTBEAT_SECONDS = 1.0
-
-
-class SelfTestInput(BaseModel):
-    node: str
 
 
 class Check(BaseModel):
@@ -51,7 +44,7 @@ class Check(BaseModel):
     detail: str
 
 
-class SelfTestActivities:
+class SelfTest:
     def __init__(
         self,
         node: str,
@@ -66,12 +59,9 @@ class SelfTestActivities:
         self.collective_timeout = collective_timeout
         self.vacate = vacate  # stops whatever ranks still run here, so the checks have the node to themselves
 
-    @activity.defn
-    async def self_test(self, input: SelfTestInput) -> SelfTestResult:
-        """Run every check (a failing one does not skip the rest: the record shows all three)."""
-        if input.node != self.node:
-            # Task queues are per node, so this is a miswired agent: a result from here would vouch for the wrong host.
-            raise ApplicationError(f"self-test for {input.node} reached the agent of {self.node}", non_retryable=True)
+    async def run(self, progress: Callable[[str], None] = lambda check: None) -> SelfTestResult:
+        """Run every check (a failing one does not skip the rest: the record shows all three);
+        `progress` hears the name of each check as it starts."""
         if self.vacate is not None:
             # A node is quarantined with its ranks still up (a crash's neighbours, a hung rank): they
             # go before the checks, which would otherwise share the device with them.
@@ -79,14 +69,12 @@ class SelfTestActivities:
             log.info("node vacated for its self-test", node=self.node, stopped=stopped)
         faults = self.broken()
         checks: dict[str, Check] = {}
-        progress = {"node": self.node, "check": ""}
-        async with _heartbeating(progress):
-            for name in CHECKS:
-                progress["check"] = name
-                try:
-                    checks[name] = await self._run(name, corrupt=name in faults)
-                except Exception as exc:  # a check that cannot run has not passed
-                    checks[name] = Check(passed=False, detail=f"{name}: could not run: {exc}")
+        for name in CHECKS:
+            progress(name)
+            try:
+                checks[name] = await self._run(name, corrupt=name in faults)
+            except Exception as exc:  # a check that cannot run has not passed
+                checks[name] = Check(passed=False, detail=f"{name}: could not run: {exc}")
         passed = all(c.passed for c in checks.values())
         detail = "; ".join(c.detail for c in checks.values())
         log.info("self-test finished", node=self.node, passed=passed, detail=detail)
@@ -170,22 +158,3 @@ def _all_reduce_rank(store: dist.Store, rank: int, device: torch.device, timeout
     tensor = torch.full((COLLECTIVE_SIZE,), float(rank + 1), device=device)
     group.allreduce([tensor]).wait(timeout)  # type: ignore[attr-defined]  # torch's stubs omit a backend's collectives
     return tensor.cpu()
-
-
-@contextlib.asynccontextmanager
-async def _heartbeating(details: dict[str, str]) -> AsyncIterator[None]:
-    """Heartbeat `details` (the check in progress, which the web UI shows) every second meanwhile."""
-
-    async def beat() -> None:
-        while True:
-            activity.heartbeat(dict(details))
-            await asyncio.sleep(HEARTBEAT_SECONDS)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        # gather, not suppress(CancelledError): a cancel of this activity landing here must not be
-        # swallowed along with the heartbeat task's own.
-        await asyncio.gather(task, return_exceptions=True)

@@ -59,3 +59,11 @@ class RecordEviction(BaseModel):
 class RecordBaseline(BaseModel):
     config_digest: str
     step_seconds: float  # the median step time of one healthy window
+
+
+class SelfTestInput(BaseModel):
+    """The fleet asks a quarantined node's agent, over its hub, to run the self-test."""
+
+    node: str
+    hub: str  # host:port of the node agent's hub, as it registered
+    answer_within: float = 300.0  # seconds to reach the agent before the node counts as down

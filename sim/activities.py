@@ -28,7 +28,6 @@ from activities.fleet import RecordWindows, Replace, Replacement
 from activities.paging import deliver_webhook, page
 from activities.reporting import signal_run
 from agent.node import NodeCommand, NodeStacks, PrepareNode
-from agent.selftest import SelfTestInput
 from core.events import (
     CHECKPOINT_JUDGED,
     MONITOR_REPORT,
@@ -39,7 +38,7 @@ from core.events import (
     NodeOutcome,
 )
 from core.fleet import EvictionOutcome, SelfTestResult
-from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, TakeSpare
+from core.fleet_requests import Acquire, Grant, MarkSuspect, RecordEviction, Release, SelfTestInput, TakeSpare
 from core.launch import Endpoint, NodeEndpoint, NodeLaunch
 from core.run import CheckpointRecord
 from core.telemetry import Held

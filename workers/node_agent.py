@@ -22,7 +22,6 @@ from temporalio.worker import Worker
 from agent.gpu import gpu_telemetry
 from agent.hub import NodeHub
 from agent.node import NodeActivities
-from agent.selftest import SelfTestActivities
 from agent.standby import StandbyPool
 from core.fleet_requests import RegisterNode, fleet_id
 from core.launch import node_queue
@@ -69,7 +68,6 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     if standby is not None:
         standby.start()
     node = NodeActivities(args.node, hub, node_dir, standby)
-    self_test = SelfTestActivities(args.node, broken=node.broken, vacate=node.vacate)
     telemetry = gpu_telemetry(args.node, args.rack, faults=node.telemetry_faults)
     client = await connect(args.address, args.namespace)
     worker = Worker(
@@ -81,7 +79,6 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
             node.release_run,
             node.send_command,
             node.dump_stacks,
-            self_test.self_test,
         ],
         max_concurrent_activities=64,
     )

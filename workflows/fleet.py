@@ -25,7 +25,6 @@ from temporalio.exceptions import TimeoutError as ActivityTimeout
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from agent.selftest import SelfTestActivities, SelfTestInput
     from core import fleet
     from core.fleet import Baseline, EvictionOutcome, FleetNode, FleetState, NodeState, Quarantine, SelfTestResult
     from core.fleet_requests import (
@@ -38,10 +37,10 @@ with workflow.unsafe.imports_passed_through():
         RegisterNode,
         Release,
         Retest,
+        SelfTestInput,
         TakeSpare,
         fleet_id,
     )
-    from core.launch import node_queue
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
 
@@ -163,13 +162,12 @@ class FleetWorkflow:
     async def _self_test(self, node: str, summary: str) -> None:
         pickup = self.settings.self_test_pickup_seconds
         try:
-            result = await workflow.execute_activity_method(
-                SelfTestActivities.self_test,
-                SelfTestInput(node=node),
-                task_queue=node_queue(node),
-                # A dead agent never picks it up: after `pickup` the node simply stays quarantined.
-                schedule_to_start_timeout=timedelta(seconds=pickup),
-                start_to_close_timeout=timedelta(minutes=10),
+            result = await workflow.execute_activity(
+                "self_test",
+                # A dead agent never answers: after `pickup` the node simply stays quarantined.
+                SelfTestInput(node=node, hub="", answer_within=pickup),
+                result_type=SelfTestResult,
+                start_to_close_timeout=timedelta(seconds=pickup) + timedelta(minutes=10),
                 heartbeat_timeout=timedelta(seconds=30),
                 # One attempt: a test that could not finish is a failed test; the node stays out
                 # until its agent registers again or an operator asks for a retest.

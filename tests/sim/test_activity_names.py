@@ -15,7 +15,6 @@ import activities.monitor
 import activities.paging
 from activities.fleet import FleetActivities
 from agent.node import NodeActivities
-from agent.selftest import SelfTestActivities
 from sim.activities import SimulatedNode, SimulatedSupervisor
 from sim.cluster import FailureSchedule, SimulatedCluster
 
@@ -32,7 +31,7 @@ def declared(*owners: type | ModuleType) -> list[Callable[..., Any]]:
 
 def test_every_node_activity_has_a_simulated_twin() -> None:
     simulated = SimulatedNode(SimulatedCluster(["n1"], FailureSchedule()), "n1")
-    assert signatures(simulated.activities()) == signatures(declared(NodeActivities, SelfTestActivities))
+    assert signatures(simulated.activities()) == signatures(declared(NodeActivities))
 
 
 def test_every_supervisor_activity_has_a_simulated_twin() -> None:
