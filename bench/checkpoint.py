@@ -44,8 +44,9 @@ from rich.table import Table
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from training.checkpointer import Checkpointer, Identity, MemoryTier
+from training.checkpointer import Checkpointer, Identity
 from training.faults import FaultInjector
+from training.memory import MemoryTier
 from training.state import TrainState
 
 HIDDEN = 4096
@@ -104,7 +105,8 @@ def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
         world_size=1,
         store=dist.HashStore(),
         identity=Identity(run_id="bench/00000000", generation=0, config_digest="bench", model={}, global_batch=1),
-        tier=MemoryTier(directory=tmpfs, replica_hub=None, hubs=[]),
+        # One rank on one node: no agent serves this tier (nothing fetches from it), and no replica.
+        tier=MemoryTier(directory=tmpfs, hub="127.0.0.1:0", replica_hub=None),
         faults=FaultInjector([], 0, 0),
         on_commit=lambda manifest, path: None,
     )

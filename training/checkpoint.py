@@ -1,7 +1,8 @@
 """The checkpoint format: one directory per checkpoint, one safetensors shard per rank, a manifest.
 
     <root>/<run>/step-00000400-g1/
-        manifest.json          step, world size, config digest, every shard's size and SHA-256
+        manifest.json          step, world size, config digest, every shard's size, SHA-256 and
+                               the node agents that hold it in host memory
         shard-00000.safetensors   rank 0's share of model + optimizer tensors, and rank 0's RNG
         shard-00001.safetensors   ...
 
@@ -38,6 +39,9 @@ class ShardRecord(BaseModel):
     tensors: int
     python_rng: tuple[int, list[int], float | None]  # random.getstate()
     blocking_s: float
+    # The node agents whose host-memory tier holds a copy (the writer's, then its replica's), in the
+    # order a restore asks them; empty without a tier and in manifests written before it was recorded.
+    hubs: list[str] = []
 
 
 class Manifest(BaseModel):
@@ -56,7 +60,9 @@ class Manifest(BaseModel):
     digest: str = ""
 
     def body_digest(self) -> str:
-        body = self.model_dump(exclude={"digest"})
+        # A shard without hubs is digested without the field: manifests sealed before it existed still verify.
+        unlisted = {i: {"hubs"} for i, shard in enumerate(self.shards) if not shard.hubs}
+        body = self.model_dump(exclude={"digest": True, "shards": unlisted})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def sealed(self) -> Manifest:

@@ -6,6 +6,9 @@ step N ─ copy this rank's share into reused staging buffers      (blocking: th
                           shard → storage, fsynced, digested    (under a temporary directory)
                           the last rank to finish writes the manifest and renames the directory
                           into place, so a checkpoint appears whole or not at all.
+
+The manifest names, for every shard, the node agents whose tier holds it, so a restore asks those
+and no others; the manifest itself goes to storage and to the committing node's tier.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from training.checkpoint import (
     write_atomically,
 )
 from training.faults import FaultInjector
+from training.memory import MemoryTier
 from training.state import TrainState, python_rng, rng_tensors
 
 log = structlog.get_logger()
@@ -51,15 +55,6 @@ class Identity:
     config_digest: str
     model: dict[str, int]
     global_batch: int
-
-
-@dataclass(frozen=True)
-class MemoryTier:
-    """This node's host-memory directory and where this rank's replica goes (None: same node)."""
-
-    directory: Path
-    replica_hub: str | None
-    hubs: list[str]  # every node of the generation: where the manifest is mirrored
 
 
 @dataclass
@@ -149,6 +144,7 @@ class Checkpointer:
                 tensors=len(staged.tensors),
                 python_rng=staged.python_rng,
                 blocking_s=staged.blocking_s,
+                hubs=[] if self.tier is None else self.tier.holders,
             )
             self.store.set(f"{name}/shard/{self.rank}", record.model_dump_json())
             if self.store.add(f"{name}/written", 1) == self.world_size:
@@ -196,11 +192,8 @@ class Checkpointer:
         # (the crash that follows in a test, on a loaded host) must not leave it whole.
         self.faults.checkpoint_committed(staged.step, final)
         fsync_dir(self.directory)
-        if self.tier is not None:  # the manifest is small: every node's tier gets a copy
-            local = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
-            write_atomically(local, body)
-            for hub in self.tier.hubs:
-                memory.put(hub, self.identity.run_id, name, local)
+        if self.tier is not None:  # a restore on this node skips storage for it; other nodes read storage's
+            write_atomically(memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST), body)
         else:
             shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
         log.info("checkpoint committed", path=str(final))

@@ -4,6 +4,10 @@ A rank writes its shard here before storage. The file outlives the rank, so a cr
 replacement reads it back at memory speed, but not the host, so every shard also has a replica on
 the node of rank (r − W/2) mod W, another failure domain (seed R1). A node agent serves its tier to
 ranks on other hosts; ranks on the same host read it directly.
+
+No rank is told every node's agent (that would grow each launch with the node count): each node's
+local rank 0 publishes its own agent in the generation's rendezvous store, a rank looks up only its
+replica's, and the manifest records which agents hold each shard.
 """
 
 from __future__ import annotations
@@ -11,10 +15,18 @@ from __future__ import annotations
 import re
 import shutil
 import socket
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+
+import structlog
+import torch.distributed as dist
+from pydantic import ValidationError
 
 from core.telemetry import FileHeader, GetFile, PutFile
 from training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
+
+log = structlog.get_logger()
 
 # Checkpoints per run kept in memory: the newest, and the one before it while the newest is validated.
 KEEP = 2
@@ -22,11 +34,42 @@ _RUN = re.compile(r"^[a-z0-9][a-z0-9._-]*/[0-9a-f]{8}$")
 _CHECKPOINT = re.compile(r"^step-\d{8}-g\d+$")
 _FILE = re.compile(r"^(shard-\d{5}\.safetensors|manifest\.json)$")
 _CHUNK = 1 << 22
+HUBS = "stayalive/hubs"  # in the generation's store: `stayalive/hubs/{node}` → that node's agent
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """This rank's view of the tier: its node's directory and agent, and its replica's agent (None: same node)."""
+
+    directory: Path
+    hub: str
+    replica_hub: str | None
+
+    @property
+    def holders(self) -> list[str]:
+        """The agents that keep this rank's shard in memory, as its manifest entry lists them."""
+        return [self.hub] if self.replica_hub is None else [self.hub, self.replica_hub]
 
 
 def holder(rank: int, world_size: int) -> int:
     """The rank whose node keeps rank `rank`'s replica: rank r keeps the shard of r + W/2 (seed R1)."""
     return (rank - world_size // 2) % world_size
+
+
+def publish_hub(store: dist.Store, node: int, hub: str) -> None:
+    """Name `node`'s agent in this generation's store (once per node: its local rank 0 does it)."""
+    dist.PrefixStore(HUBS, store).set(str(node), hub)
+
+
+def lookup_hub(store: dist.Store, node: int, timeout: timedelta = timedelta(seconds=60)) -> str | None:
+    """`node`'s agent, or None when it published none within `timeout` (a node without an agent)."""
+    hubs = dist.PrefixStore(HUBS, store)
+    try:
+        hubs.wait([str(node)], timeout)
+    except dist.DistStoreError:
+        log.warning("node published no agent: shards replicated there have no replica", node=node)
+        return None
+    return hubs.get(str(node)).decode()
 
 
 def memory_path(root: Path, run_id: str, checkpoint: str, file: str) -> Path:
@@ -62,7 +105,8 @@ def put(hub: str, run_id: str, checkpoint: str, path: Path) -> None:
 
 
 def fetch(hub: str, run_id: str, checkpoint: str, file: str) -> bytes | None:
-    """A file from another node's tier, or None when that node does not hold it (or is gone)."""
+    """A file from another node's tier, or None when that node does not hold it (or is gone: the
+    address comes from a manifest, which may be older than the agent now at that port)."""
     host, port = hub.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port)), timeout=10) as conn:
@@ -73,5 +117,5 @@ def fetch(hub: str, run_id: str, checkpoint: str, file: str) -> bytes | None:
                 return None
             data = reader.read(header.size)
             return data if len(data) == header.size else None
-    except OSError:
+    except (OSError, ValidationError):
         return None

@@ -1,10 +1,10 @@
 """Restore a checkpoint into a (possibly resized) group: each rank reads a share, one collective assembles it.
 
 The saved world's shards are read round-robin by the new ranks (shard p by rank p mod W). Every
-rank prefers the host-memory tier (its own node's tmpfs, then the other nodes' agents, which hold
-the replicas); only when some shard is in no node's memory does the whole group read from storage.
-Each shard is checked against the manifest's SHA-256 wherever it came from; then each is broadcast
-from its reader, so every rank ends with the whole replicated state.
+rank prefers the host-memory tier: its own node's tmpfs, then the node agents the manifest lists as
+holding that shard (its writer's and its replica's); only when some shard is in none of them does
+the whole group read from storage. Each shard is checked against the manifest's SHA-256 wherever it
+came from; then each is broadcast from its reader, so every rank ends with the whole replicated state.
 """
 
 from __future__ import annotations
@@ -20,8 +20,16 @@ import torch
 import torch.distributed as dist
 
 from training import memory
-from training.checkpoint import MANIFEST, CheckpointError, Manifest, parse_manifest, parse_shard, read_manifest
-from training.checkpointer import MemoryTier
+from training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    Manifest,
+    ShardRecord,
+    parse_manifest,
+    parse_shard,
+    read_manifest,
+)
+from training.memory import MemoryTier
 
 log = structlog.get_logger()
 
@@ -36,26 +44,34 @@ class Restored:
     seconds: float
 
 
-def _from_memory(tier: MemoryTier | None, run_id: str, name: str, file: str) -> bytes | None:
+def _local(tier: MemoryTier, run_id: str, name: str, file: str) -> bytes | None:
+    path = memory.memory_path(tier.directory, run_id, name, file)
+    return path.read_bytes() if path.is_file() else None
+
+
+def _verified(data: bytes | None, sha256: str) -> bytes | None:
+    return data if data is not None and hashlib.sha256(data).hexdigest() == sha256 else None
+
+
+def _from_memory(tier: MemoryTier | None, run_id: str, name: str, shard: ShardRecord) -> bytes | None:
+    """The shard from this node's tier, else from the agents that hold a copy; a bad copy counts as none."""
     if tier is None:
         return None
-    local = memory.memory_path(tier.directory, run_id, name, file)
-    if local.is_file():
-        return local.read_bytes()
-    for hub in tier.hubs:
-        if (data := memory.fetch(hub, run_id, name, file)) is not None:
+    if (data := _verified(_local(tier, run_id, name, shard.file), shard.sha256)) is not None:
+        return data
+    for hub in shard.hubs:
+        if hub == tier.hub:
+            continue  # that agent's tier is the directory just read
+        if (data := _verified(memory.fetch(hub, run_id, name, shard.file), shard.sha256)) is not None:
             return data
     return None
 
 
 def _manifest(directory: Path, tier: MemoryTier | None, run_id: str) -> Manifest:
-    if tier is not None and (data := _from_memory(tier, run_id, directory.name, MANIFEST)) is not None:
+    """From this node's tier when it committed the checkpoint (the manifest is kept on that node only)."""
+    if tier is not None and (data := _local(tier, run_id, directory.name, MANIFEST)) is not None:
         return parse_manifest(data, f"memory copy of {directory.name}/{MANIFEST}")
     return read_manifest(directory)
-
-
-def _verified(data: bytes | None, sha256: str) -> bytes | None:
-    return data if data is not None and hashlib.sha256(data).hexdigest() == sha256 else None
 
 
 def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: MemoryTier | None) -> Restored:
@@ -63,7 +79,7 @@ def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: Memo
     manifest = _manifest(directory, tier, run_id)
     shards = {s.rank: s for s in manifest.shards}
     mine = [p for p in range(manifest.world_size) if p % world_size == rank]
-    blobs = {p: _verified(_from_memory(tier, run_id, directory.name, shards[p].file), shards[p].sha256) for p in mine}
+    blobs = {p: _from_memory(tier, run_id, directory.name, shards[p]) for p in mine}
     in_memory = torch.tensor([int(tier is not None and all(b is not None for b in blobs.values()))])
     dist.all_reduce(in_memory, op=dist.ReduceOp.MIN)  # all from memory, or all from storage
     source: Source = "memory" if int(in_memory) else "storage"

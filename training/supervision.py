@@ -9,7 +9,6 @@ checkpoint consistent across ranks.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from core.spec import SdcSpec
 from core.telemetry import Command, Rejoin
 from training import memory
 from training.channel import AgentChannel
-from training.checkpointer import MemoryTier
+from training.memory import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
 _KINDS = ("checkpoint", "hold", "exit", "rebalance")
@@ -46,7 +45,6 @@ class SupervisionConfig:
     faults: list[Fault] = field(default_factory=list)
     sdc: SdcSpec = field(default_factory=SdcSpec)
     memory_dir: Path | None = None
-    hubs: list[str] = field(default_factory=list)  # every node's agent, in node order
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SupervisionConfig:
@@ -72,18 +70,17 @@ class SupervisionConfig:
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
             sdc=SdcSpec.model_validate_json(env.get("STAYALIVE_SDC", "{}")),
             memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,
-            hubs=json.loads(env.get("STAYALIVE_HUBS", "[]")),
         )
 
-    def memory_tier(self, rank: int, world_size: int, ranks_per_node: int) -> MemoryTier | None:
-        """This rank's view of the host-memory tier: its node's directory, the replica's node, the others."""
-        if self.memory_dir is None:
+    def memory_tier(self, store: dist.Store, rank: int, world_size: int, ranks_per_node: int) -> MemoryTier | None:
+        """This rank's view of the host-memory tier: its node's directory and agent, and the agent of its
+        replica's node, as that node published it in the generation's store."""
+        if self.memory_dir is None or self.agent is None:
             return None
         node = rank // ranks_per_node
-        others = [hub for i, hub in enumerate(self.hubs) if i != node]
         replica_node = memory.holder(rank, world_size) // ranks_per_node
-        replica = self.hubs[replica_node] if replica_node != node and replica_node < len(self.hubs) else None
-        return MemoryTier(directory=self.memory_dir, replica_hub=replica, hubs=others)
+        replica = memory.lookup_hub(store, replica_node) if replica_node != node else None
+        return MemoryTier(directory=self.memory_dir, hub=self.agent, replica_hub=replica)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from core.escalation import rebalance
 from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport
+from training import memory
 from training.channel import AgentChannel
 from training.checkpoint import CheckpointError, Manifest, within_root
 from training.checkpointer import Checkpointer, Identity
@@ -38,6 +39,7 @@ from training.elastic import state_from_rank0
 from training.faults import FaultInjector
 from training.gpt import GPT, PRESETS, GPTConfig
 from training.logs import configure_logging
+from training.memory import MemoryTier
 from training.restore import restore
 from training.sdc import FLAGS, SdcGuard, flat_grads, set_grads
 from training.state import TrainState, restore_rng
@@ -195,12 +197,12 @@ class Trainer:
             self.channel = AgentChannel(config.agent, hello)
         else:
             self.report(hello)  # the agent files this connection under the new rank and generation
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=self.args.collective_timeout))
+        store, tier = self.join(config, rank, world_size)
         supervision = Supervision(config, rank, world_size, self.channel)
-        self.load(config, rank, world_size)
+        self.load(config, rank, world_size, tier)
         faults = FaultInjector(config.faults, rank, config.generation)
         faults.attach(self.state.model)
-        checkpointer = self.checkpointer(config, rank, world_size, faults)
+        checkpointer = self.checkpointer(config, rank, world_size, store, tier, faults)
         guard = SdcGuard(config.sdc, rank, world_size, config.generation, self.state.last_verified)
         outcome = train(self.state, self.stream, supervision, checkpointer, faults, guard, self.args.device_ms / 1000)
         checkpointer.wait()
@@ -221,14 +223,25 @@ class Trainer:
         os.environ.update(rejoin.env)
         return True
 
-    def load(self, config: SupervisionConfig, rank: int, world_size: int) -> None:
+    def join(self, config: SupervisionConfig, rank: int, world_size: int) -> tuple[dist.Store, MemoryTier | None]:
+        """Join the generation's group, through its rendezvous store (fresh every generation), and find
+        this rank's memory tier. Each node's local rank 0 names its agent in the store before joining,
+        so once every rank has joined, the lookup of the replica's agent finds it."""
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % ranks_per_node))
+        if config.agent is not None and local_rank == 0:
+            memory.publish_hub(store, rank // ranks_per_node, config.agent)
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=self.args.collective_timeout))
+        return store, config.memory_tier(store, rank, world_size, ranks_per_node)
+
+    def load(self, config: SupervisionConfig, rank: int, world_size: int, tier: MemoryTier | None) -> None:
         """Where a generation's state comes from: rank 0's live state, a checkpoint, or (first launch) nothing."""
         if config.state_from_rank0:
             state_from_rank0(self.state, rank)
             return
         if config.resume_from is None or self.state.step > 0:
             return
-        tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         try:
             directory = within_root(config.checkpoint_dir, config.resume_from)
             restored = restore(directory, config.run_id, rank, world_size, tier)
@@ -248,14 +261,14 @@ class Trainer:
         )
 
     def checkpointer(
-        self, config: SupervisionConfig, rank: int, world_size: int, faults: FaultInjector
+        self,
+        config: SupervisionConfig,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        tier: MemoryTier | None,
+        faults: FaultInjector,
     ) -> Checkpointer:
-        store = dist.PrefixStore(
-            "stayalive/checkpoints",  # the store itself is fresh every generation
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False),
-        )
-        tier = config.memory_tier(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-
         def committed(manifest: Manifest, path: os.PathLike[str]) -> None:
             blocking = max(shard.blocking_s for shard in manifest.shards)
             self.report(
@@ -272,7 +285,10 @@ class Trainer:
         identity = Identity(
             config.run_id, config.generation, config.config_digest, self.gpt_config.model_dump(), self.args.global_batch
         )
-        return Checkpointer(config.checkpoint_dir, rank, world_size, store, identity, tier, faults, on_commit=committed)
+        shard_records = dist.PrefixStore("stayalive/checkpoints", store)
+        return Checkpointer(
+            config.checkpoint_dir, rank, world_size, shard_records, identity, tier, faults, on_commit=committed
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

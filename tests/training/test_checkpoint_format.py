@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 from pathlib import Path
@@ -130,3 +131,12 @@ def test_paths_outside_the_checkpoint_root_are_refused(tmp_path: Path) -> None:
 def test_committed_messages_carry_the_blocking_time() -> None:
     message = CheckpointCommitted(rank=0, generation=0, step=5, path="/x", blocking_s=0.25)
     assert message.blocking_s == 0.25
+
+
+def test_a_manifest_written_before_shards_listed_their_hubs_still_loads(checkpoint: Path) -> None:
+    path = checkpoint / MANIFEST
+    body = json.loads(path.read_text())
+    for shard in body["shards"]:
+        del shard["hubs"]
+    path.write_text(json.dumps(body))
+    assert [shard.hubs for shard in read_manifest(checkpoint).shards] == [[]]
