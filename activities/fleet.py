@@ -1,96 +1,213 @@
-"""The run's side of the fleet: a workflow cannot send an update to another workflow, so these
-activities do it with the supervisor's client (FleetWorkflow decides; this only asks)."""
+"""The supervisor's side of the fleet: FleetClient, the one way anybody changes it (the run's
+activities below, node agents registering, the CLI, tests), and the run's fleet activities built on it.
+
+A workflow cannot send another workflow a request and wait for the answer, so RunWorkflow reaches
+its fleet through these activities (FleetWorkflow decides; this only asks).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-from temporalio import activity
-from temporalio.client import Client
+import asyncio
+import functools
+import itertools
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
-from core.fleet import Baseline, EvictionOutcome, FleetState, Quarantine
+from pydantic import TypeAdapter
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from core.fleet import Baseline, EvictionOutcome, FleetAnswer
 from core.fleet_requests import (
     Acquire,
+    FleetOp,
+    FleetRequest,
     Grant,
     MarkSuspect,
-    QuarantineNode,
-    RecordBaseline,
     RecordEviction,
+    RecordWindows,
     Release,
+    Replace,
+    Replacement,
     TakeSpare,
     fleet_id,
 )
 
+R = TypeVar("R")
 
-class Replace(BaseModel):
-    run_id: str
-    node: str
-    reason: str
-    candidates: list[str]  # spares the run may take, in order of preference
+ASK_WITHIN = 60.0  # seconds for the fleet to answer a request
+POLL_SECONDS = (0.02, 0.05)  # between two looks for answers, drawn at random so that senders spread out
+POLL_MAX_SECONDS = 1.0  # each look that finds nothing doubles the wait, up to this
+LOOK_FOR = 256  # requests one look asks about (the longest waiting): it keeps each query small
+# Signals one client has in flight. The server takes a workflow's signals one at a time, under the same
+# lock as the fleet's task completions: more from one process would only queue there, and hold up the
+# fleet's workflow tasks behind them.
+SENDING_AT_ONCE = 64
 
 
-class RecordWindows(BaseModel):
-    config_digest: str
-    medians: list[float]
+class FleetRefused(Exception):
+    """The fleet refused a request; the message says why (the rule it broke). Nothing changed."""
 
 
-class Replacement(BaseModel):
-    quarantine: Quarantine
-    spare: str | None
+class FleetClient:
+    """How anybody changes the fleet: `ask` sends one request as a `request` signal and waits for its
+    answer. Every request this client waits on shares one look at the `answers` query, so a burst of
+    them costs one query a round, not one each (a dev server on two cores answers about 100 queries a
+    second); a look that finds nothing backs off, so that many agents, each with a client of its own,
+    do not flood the supervisor with queries either."""
+
+    def __init__(self, fleet: WorkflowHandle[Any, Any]) -> None:
+        self.handle = fleet
+        self._waiting: dict[str, asyncio.Future[FleetAnswer[Any]]] = {}  # request id → its answer, once in
+        self._looking: asyncio.Task[None] | None = None
+        self._sending = asyncio.Semaphore(SENDING_AT_ONCE)
+
+    async def ask(
+        self,
+        op: FleetOp[R],
+        *,
+        id: str | None = None,
+        within: float = ASK_WITHIN,
+        send: Callable[[FleetRequest], Awaitable[object]] | None = None,
+    ) -> R:
+        """Send `op` and return the fleet's result, or raise FleetRefused with the reason.
+
+        `id` names the request: pass one that is the same on every attempt where a retry must not
+        apply it twice; the default is a fresh one. `send` delivers the request instead of a plain
+        signal (a node agent's registration starts the fleet with it). TimeoutError if no answer
+        comes within `within` seconds.
+        """
+        request = FleetRequest(id=id or str(uuid.uuid4()), op=op)
+        async with self._sending:
+            if send is None:
+                await self.handle.signal("request", request)
+            else:
+                await send(request)
+        answer = await self._answer(request.id, within, f"{type(op).__name__} request {request.id}")
+        if answer.error is not None:
+            raise FleetRefused(answer.error)
+        return cast(R, _adapter(op.answer_type()).validate_python(answer.result))
+
+    async def _answer(self, request_id: str, within: float, request: str) -> FleetAnswer[Any]:
+        answer = self._waiting.setdefault(request_id, asyncio.get_running_loop().create_future())
+        if self._looking is None or self._looking.done():
+            self._looking = asyncio.create_task(self._look_for_answers())
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), within)
+        except TimeoutError:
+            raise TimeoutError(f"the fleet did not answer {request} in {within:g}s") from None
+        finally:
+            if self._waiting.get(request_id) is answer:
+                del self._waiting[request_id]
+
+    async def _look_for_answers(self) -> None:
+        misses = 0
+        while self._waiting:
+            await asyncio.sleep(min(random.uniform(*POLL_SECONDS) * 2**misses, POLL_MAX_SECONDS))
+            try:
+                longest_waiting = list(itertools.islice(self._waiting, LOOK_FOR))
+                answers = await self.handle.query("answers", longest_waiting, result_type=_Answers)
+            except RPCError:
+                answers = {}  # not answerable this moment (the fleet starting, a busy worker): look again
+            except Exception as exc:  # an answer that cannot be read will not become readable
+                self._fail_all(exc)
+                return
+            for request_id, answer in answers.items():
+                if (waiting := self._waiting.pop(request_id, None)) is not None and not waiting.done():
+                    waiting.set_result(answer)
+            misses = 0 if answers else misses + 1
+
+    def _fail_all(self, exc: Exception) -> None:
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(exc)
+        self._waiting.clear()
+
+
+_Answers = dict[str, FleetAnswer[Any]]  # the `answers` query's result: request id → its answer
+
+
+@functools.cache
+def _adapter(answer_type: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(answer_type)
 
 
 class FleetActivities:
+    """The run's fleet requests, as activities. Each request's id is its activity's (workflow, run,
+    activity id), the same on every attempt: a retried attempt gets the first one's answer."""
+
     def __init__(self, client: Client, cluster: str = "default") -> None:
-        self.fleet = client.get_workflow_handle(fleet_id(cluster))
+        self.fleet = FleetClient(client.get_workflow_handle(fleet_id(cluster)))
+
+    async def _ask(self, op: FleetOp[R]) -> R:
+        info = activity.info()
+        try:
+            return await self.fleet.ask(op, id=f"{info.workflow_id}/{info.workflow_run_id}/{info.activity_id}")
+        except FleetRefused as refused:
+            # Another attempt asks with the same id and gets the same answer: no retry can help.
+            raise ApplicationError(str(refused), type="FleetRefused", non_retryable=True) from None
+
+    def activities(self) -> list[Callable[..., Any]]:
+        """Every activity here, for a worker to register."""
+        return [
+            self.acquire_nodes,
+            self.replace_node,
+            self.take_spare,
+            self.release_nodes,
+            self.baseline,
+            self.record_baseline,
+            self.mark_suspect,
+            self.eviction_outcomes,
+            self.record_eviction,
+        ]
+
+    async def hubs(self, nodes: list[str]) -> dict[str, str]:
+        """Where these nodes' agents listen (host:port), for activities that reach them; unregistered
+        nodes are left out. Not an activity: a helper for the supervisor's own."""
+        hubs: dict[str, str] = await self.fleet.handle.query("hubs", nodes)
+        return hubs
 
     @activity.defn
     async def acquire_nodes(self, request: Acquire) -> Grant:
-        return await self.fleet.execute_update("acquire", request, result_type=Grant)
+        return await self._ask(request)
 
     @activity.defn
     async def replace_node(self, request: Replace) -> Replacement:
         """Quarantine the node (its self-test starts) and take a spare in its place, if one is free."""
-        quarantine = QuarantineNode(node=request.node, reason=request.reason, run_id=request.run_id)
-        record = await self.fleet.execute_update("quarantine", quarantine, result_type=Quarantine)
-        spare = await self.take_spare(TakeSpare(run_id=request.run_id, candidates=request.candidates))
-        return Replacement(quarantine=record, spare=spare)
+        return await self._ask(request)
 
     @activity.defn
     async def take_spare(self, request: TakeSpare) -> str | None:
-        spare: str | None = await self.fleet.execute_update("take_spare", request)  # a JSON string or null
-        return spare
+        return await self._ask(request)
 
     @activity.defn
     async def release_nodes(self, request: Release) -> list[str]:
-        released: list[str] = await self.fleet.execute_update("release", request)  # a JSON list of node ids
-        return released
+        return await self._ask(request)
 
     @activity.defn
     async def baseline(self, config_digest: str) -> list[float]:
         """Healthy runs' window medians for this configuration: what the absolute slowdown check compares to."""
-        known: Baseline | None = await self.fleet.query("baseline", config_digest, result_type=Baseline)
+        known: Baseline | None = await self.fleet.handle.query("baseline", config_digest, result_type=Baseline)
         return list(known.step_seconds) if known else []
 
     @activity.defn
     async def record_baseline(self, request: RecordWindows) -> int:
-        for median in request.medians:
-            await self.fleet.execute_update(
-                "record_baseline", RecordBaseline(config_digest=request.config_digest, step_seconds=median)
-            )
-        return len(request.medians)
+        return await self._ask(request)
 
     @activity.defn
     async def mark_suspect(self, request: MarkSuspect) -> None:
-        await self.fleet.execute_update("mark_suspect", request)
+        await self._ask(request)
 
     @activity.defn
     async def eviction_outcomes(self) -> list[EvictionOutcome]:
         """What the fleet's past straggler evictions did: P(healthy) of the eviction payback."""
-        state: FleetState = await self.fleet.query("state", result_type=FleetState)
-        return list(state.evictions)
+        outcomes: list[EvictionOutcome] = await self.fleet.handle.query("evictions", result_type=list[EvictionOutcome])
+        return outcomes
 
     @activity.defn
     async def record_eviction(self, request: RecordEviction) -> EvictionOutcome:
-        outcome: EvictionOutcome = await self.fleet.execute_update(
-            "record_eviction", request, result_type=EvictionOutcome
-        )
-        return outcome
+        return await self._ask(request)

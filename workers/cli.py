@@ -14,6 +14,9 @@ view, the embedded development stack and the demo.
     stayalive pause ID / resume ID    hold every rank at a step / go on
     stayalive resume-from ID STEP     roll back to a validated checkpoint
     stayalive fleet                   nodes, their states, and quarantine records
+    stayalive fleet retest NODE       self-test a quarantined node again (after a repair)
+    stayalive fleet quarantine NODE REASON
+                                      take a node out of the pool until it passes a self-test
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
+from activities.fleet import FleetClient, FleetRefused
+from core.fleet_requests import QuarantineNode, Retest
 from core.run import RunResult, RunState
 from core.spec import RunSpec
 from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
@@ -211,7 +216,20 @@ async def control(args: argparse.Namespace) -> int:
 
 async def fleet(args: argparse.Namespace) -> int:
     handle = fleet_handle(await _client(args))
-    console.print(fleet_table(await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)))
+    if args.action is None:
+        nodes, records = await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)
+        console.print(fleet_table(nodes, records))
+        return 0
+    try:
+        if args.action == "retest":
+            await FleetClient(handle).ask(Retest(node=args.node))
+            outcome = f"{args.node}: self-test started; `stayalive fleet` shows its result"
+        else:
+            record = await FleetClient(handle).ask(QuarantineNode(node=args.node, reason=args.reason))
+            outcome = f"{args.node} quarantined: {record.cause()}; its self-test decides when it returns"
+    except FleetRefused as refused:
+        raise UsageError(f"the fleet refused: {refused}") from None
+    console.print(outcome)
     return 0
 
 
@@ -273,7 +291,13 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("resume-from")
     p.add_argument("id")
     p.add_argument("step", type=int)
-    commands.add_parser("fleet", help="the fleet's nodes and quarantine records")
+    p = commands.add_parser("fleet", help="the fleet's nodes and quarantine records; retest or quarantine a node")
+    actions = p.add_subparsers(dest="action")
+    p = actions.add_parser("retest", help="self-test a quarantined node again (after a repair, say)")
+    p.add_argument("node")
+    p = actions.add_parser("quarantine", help="take a node out of the pool; its self-test decides when it returns")
+    p.add_argument("node")
+    p.add_argument("reason", help="what was seen, e.g. 'fan failing'")
     return root
 
 

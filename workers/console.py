@@ -144,20 +144,21 @@ def checkpoints_table(records: list[CheckpointRecord]) -> Table:
 
 def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine]) -> Group:
     table = Table(title="Fleet", title_justify="left")
-    for column in ("node", "rack", "state", "run", "since"):
+    for column in ("node", "rack", "hub", "state", "run", "since"):
         table.add_column(column)
     for n in nodes:
-        table.add_row(n.id, n.rack, n.state.value, n.run_id or "-", n.since.strftime("%H:%M:%S"))
+        table.add_row(n.id, n.rack, n.hub, n.state.value, n.run_id or "-", n.since.strftime("%H:%M:%S"))
     records = Table(title="Quarantine records", title_justify="left")
     for column in ("node", "reason", "since", "runs affected", "last self-test", "released"):
         records.add_column(column)
     for q in quarantines:
         test = q.self_tests[-1] if q.self_tests else None
+        earlier = f" (+{q.earlier_runs} earlier)" if q.earlier_runs else ""
         records.add_row(
             q.node,
             q.reason,
             q.since.strftime("%H:%M:%S"),
-            ", ".join(q.run_ids_affected),
+            ", ".join(q.run_ids_affected) + earlier,
             "-" if test is None else ("passed" if test.passed else f"failed: {test.detail}"),
             q.released_at.strftime("%H:%M:%S") if q.released_at else "no",
         )

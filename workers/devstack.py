@@ -94,7 +94,7 @@ class DevStack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if {n.id for n in await fleet.query(FleetWorkflow.nodes)} >= set(self.nodes):
+                if len(await fleet.query(FleetWorkflow.hubs, self.nodes)) == len(self.nodes):
                     return
             except Exception:  # the fleet workflow is being started by the first agent or the supervisor
                 pass

@@ -1,212 +1,419 @@
-"""FleetWorkflow on the real dev server: a quarantined node is refused with its reason and comes
-back only after its own agent passes the real self-test; a broken one stays out until it is fixed
-and retested; continue-as-new carries the whole fleet.
+"""FleetWorkflow on a real dev server of this module's own: a quarantined node is refused with its
+reason and comes back only after it passes the real self-test; a broken one stays out until it is
+fixed and retested; a refused request changes nothing and a retried one is applied once;
+continue-as-new carries the whole fleet; node agents and the CLI reach the cluster's fleet; and
+2,048 node agents registering at once all land, in short workflow tasks and small payloads.
 
-Each test runs its own node agents (a worker on `node.<id>` serving only the self-test, with
-hardware faults the test sets and clears) for nodes of its own, and its own FleetWorkflow on a
-queue of its own, so nothing here touches the stack's fleet or its nodes.
+Most tests run their own FleetWorkflow on a queue of their own, with a worker that also serves the
+`self_test` activity the fleet schedules there: the real checks, run in this process on the
+hardware faults the test sets (`broken`), or, for a node whose agent the test has down, the
+not-started result the supervisor's activity returns when it cannot reach the agent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import pytest
+from google.protobuf.message import Message
+from temporalio import activity
+from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.fleet import FleetClient, FleetRefused
 from agent.selftest import SelfTest
-from core.fleet import FleetNode, NodeState
+from core.fleet import FleetNode, NodeState, SelfTestResult
 from core.fleet_requests import (
     Acquire,
+    FleetOp,
     Grant,
     QuarantineNode,
-    RecordBaseline,
     RecordEviction,
+    RecordWindows,
     RegisterNode,
     Release,
     Retest,
+    SelfTestInput,
 )
 from tests.helpers import workflow_id
-from workers.devstack import DevStack
-from workflows.fleet import FleetInput, FleetWorkflow
+from workers import cli
+from workers.devstack import temporal_binary
+from workers.node_agent import register as register_agent
+from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
+from workflows.run import TASK_QUEUE
+
+BURST = 2048
+PAYLOAD_LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+async def client() -> AsyncIterator[Client]:
+    """A real server (`temporal server start-dev`), this module's own: these tests need no stack."""
+    async with await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter
+    ) as env:
+        yield env.client
+
+
+@pytest.fixture(autouse=True)
+def settled_fleet() -> None:
+    """tests/e2e/conftest.py's waits on the stack's fleet; the fleets here are the tests' own."""
+
+
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test() -> None:
+    """tests/e2e/conftest.py's cancels the stack's runs; no run is started here."""
+
+
+@dataclass
+class Agents:
+    """What the tests control of the node agents their fleet's self-tests reach."""
+
+    broken: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # simulated faults
+    down: set[str] = field(default_factory=set)  # nodes whose agent cannot be reached
+
+    def self_test(self) -> Callable[[SelfTestInput], object]:
+        @activity.defn(name="self_test")
+        async def self_test(input: SelfTestInput) -> SelfTestResult:
+            """The supervisor's activity: waits for the node's agent up to `answer_within`, then runs its checks."""
+            deadline = time.monotonic() + input.answer_within
+            while input.node in self.down:
+                if time.monotonic() > deadline:
+                    detail = (
+                        f"self-test not started: the node agent did not pick it up within {input.answer_within:g}s "
+                        "(agent down?)"
+                    )
+                    return SelfTestResult(node=input.node, passed=False, checks={}, detail=detail, at=datetime.now(UTC))
+                await asyncio.sleep(0.1)
+            return await SelfTest(input.node, lambda: self.broken[input.node]).run()
+
+        return self_test
 
 
 @contextlib.asynccontextmanager
-async def fleet(client: Client, settings: FleetInput) -> AsyncIterator[WorkflowHandle]:
+async def running_fleet(
+    client: Client, settings: FleetInput, agents: Agents | None = None
+) -> AsyncIterator[FleetClient]:
     queue = workflow_id("fleet-test")
-    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+    self_test = (agents or Agents()).self_test()
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow], activities=[self_test]):
         handle = await client.start_workflow(FleetWorkflow.run, settings, id=workflow_id("fleet"), task_queue=queue)
         try:
-            yield handle
+            yield FleetClient(handle)
         finally:
             await handle.terminate("test over")
 
 
-def agent(client: Client, node: str, broken: set[str]) -> Worker:
-    """A node agent serving only the self-test; `broken` is its simulated hardware faults, live.
-    (Transitional: the self-test now runs on the fleet's queue and reaches the agent over its hub.)"""
-    raise NotImplementedError(SelfTest)
+def register(node: str, rack: str = "r1", spare: bool = False) -> RegisterNode:
+    return RegisterNode(node=node, rack=rack, hub=f"{node}.test:7000", spare=spare)
 
 
 async def node_when(
-    handle: WorkflowHandle, node: str, predicate: Callable[[FleetNode], bool], timeout: float = 60.0
+    fleet: FleetClient, node: str, predicate: Callable[[FleetNode], bool], timeout: float = 60.0
 ) -> FleetNode:
     deadline = time.monotonic() + timeout
     entry = None
     while time.monotonic() < deadline:
-        entry = next(n for n in await handle.query(FleetWorkflow.nodes) if n.id == node)
+        entry = next(n for n in await fleet.handle.query(FleetWorkflow.nodes) if n.id == node)
         if predicate(entry):
             return entry
         await asyncio.sleep(0.2)
     raise TimeoutError(f"{node}: condition not reached in {timeout}s (last: {entry})")
 
 
-async def acquire(handle: WorkflowHandle, run_id: str, *wanted: str) -> Grant:
-    return await handle.execute_update(FleetWorkflow.acquire, Acquire(run_id=run_id, wanted=list(wanted)))
+async def acquire(fleet: FleetClient, run_id: str, *wanted: str) -> Grant:
+    return await fleet.ask(Acquire(run_id=run_id, wanted=list(wanted)))
 
 
-async def test_quarantine_refuse_self_test_and_return(client: Client, stack: DevStack) -> None:
+async def test_quarantine_refuse_self_test_and_return(client: Client) -> None:
     a, b, c = "selftest-a", "selftest-b", "selftest-c"
-    broken_b: set[str] = {"gemm"}
-    async with fleet(client, FleetInput()) as handle:
+    agents = Agents(down={a})
+    async with running_fleet(client, FleetInput(), agents) as fleet:
         for node, spare in ((a, False), (b, False), (c, True)):
-            await handle.execute_update(FleetWorkflow.register, RegisterNode(node=node, rack="r1", spare=spare))
-        assert await acquire(handle, "r1", a, b) == Grant(granted=[a, b], refused={})
+            await fleet.ask(register(node, spare=spare))
+        assert await fleet.handle.query(FleetWorkflow.hubs, [a, c, "nowhere"]) == {
+            a: f"{a}.test:7000",
+            c: f"{c}.test:7000",
+        }
+        assert await acquire(fleet, "r1", a, b) == Grant(granted=[a, b], refused={})
 
-        # a's agent is not up yet: its self-test waits to be picked up, and a is refused meanwhile.
-        record = await handle.execute_update(
-            FleetWorkflow.quarantine, QuarantineNode(node=a, reason="crash in rank 3", run_id="r1")
-        )
+        # a's agent is not up yet: its self-test waits to reach it, and a is refused meanwhile.
+        record = await fleet.ask(QuarantineNode(node=a, reason="crash in rank 3", run_id="r1"))
         assert (record.node, record.run_ids_affected, record.released_at) == (a, ["r1"], None)
-        grant = await acquire(handle, "r2", a, c)
+        grant = await acquire(fleet, "r2", a, c)
         assert grant.granted == [c]
         assert grant.refused == {a: f"{a} is under self-test after quarantine: crash in rank 3 (run r1)"}
 
-        async with agent(client, a, set()):
-            back = await node_when(handle, a, lambda n: n.state == NodeState.HEALTHY)
+        agents.down.clear()  # a's agent comes up
+        back = await node_when(fleet, a, lambda n: n.state == NodeState.HEALTHY)
         assert back.run_id is None
-        [closed] = await handle.query(FleetWorkflow.quarantines)
+        [closed] = await fleet.handle.query(FleetWorkflow.quarantines)
         assert closed.released_at is not None
         assert [(t.passed, t.checks) for t in closed.self_tests] == [
             (True, {"gemm": True, "repeatability": True, "collective": True})
         ]
-        assert await acquire(handle, "r2", a) == Grant(granted=[a], refused={})
+        assert await acquire(fleet, "r2", a) == Grant(granted=[a], refused={})
 
         # b computes a wrong GEMM element: its self-test fails and it stays out, with the detail.
-        async with agent(client, b, broken_b):
-            await handle.execute_update(
-                FleetWorkflow.quarantine, QuarantineNode(node=b, reason="wrong loss", run_id="r1")
-            )
-            await node_when(handle, b, lambda n: n.state == NodeState.QUARANTINED)
-            failed = (await handle.query(FleetWorkflow.quarantines))[-1]
-            assert failed.released_at is None
-            assert failed.self_tests[-1].checks["gemm"] is False
-            assert "known-answer GEMM: 1 of 65536 elements wrong (max error 1.0)" in failed.self_tests[-1].detail
-            assert (await acquire(handle, "r3", b)).refused == {b: f"{b} is quarantined: wrong loss (run r1)"}
+        agents.broken[b].add("gemm")
+        await fleet.ask(QuarantineNode(node=b, reason="wrong loss", run_id="r1"))
+        await node_when(fleet, b, lambda n: n.state == NodeState.QUARANTINED)
+        failed = (await fleet.handle.query(FleetWorkflow.quarantines))[-1]
+        assert failed.released_at is None
+        assert failed.self_tests[-1].checks["gemm"] is False
+        assert "known-answer GEMM: 1 of 65536 elements wrong (max error 1.0)" in failed.self_tests[-1].detail
+        assert (await acquire(fleet, "r3", b)).refused == {b: f"{b} is quarantined: wrong loss (run r1)"}
 
-            broken_b.clear()  # repaired
-            await handle.execute_update(FleetWorkflow.retest, Retest(node=b))
-            await node_when(handle, b, lambda n: n.state == NodeState.HEALTHY)
-        assert [t.passed for t in (await handle.query(FleetWorkflow.quarantines))[-1].self_tests] == [False, True]
+        agents.broken[b].clear()  # repaired
+        await fleet.ask(Retest(node=b))
+        await node_when(fleet, b, lambda n: n.state == NodeState.HEALTHY)
+        assert [t.passed for t in (await fleet.handle.query(FleetWorkflow.quarantines))[-1].self_tests] == [False, True]
 
         # The spare lent to r2 is a spare again once r2 lets go.
-        assert await handle.execute_update(FleetWorkflow.release, Release(run_id="r2")) == sorted([a, c])
-        states = {n.id: n.state for n in await handle.query(FleetWorkflow.nodes)}
+        assert await fleet.ask(Release(run_id="r2")) == sorted([a, c])
+        states = {n.id: n.state for n in await fleet.handle.query(FleetWorkflow.nodes)}
         assert states == {a: NodeState.HEALTHY, b: NodeState.HEALTHY, c: NodeState.SPARE}
 
-        summaries = await activity_summaries(client, handle)
+        summaries = await activity_summaries(client, fleet.handle)
         assert f"self-test {a} (quarantined: crash in rank 3)" in summaries
         assert f"self-test {b} (retest requested; quarantined: wrong loss)" in summaries
 
 
 @pytest.mark.parametrize(
-    ("update", "argument", "message"),
+    ("op", "message"),
     [
-        (FleetWorkflow.quarantine, QuarantineNode(node="nowhere", reason="crash"), "'nowhere' is not a node"),
-        (FleetWorkflow.retest, Retest(node="selftest-v"), "selftest-v is healthy: only a quarantined node"),
-        (FleetWorkflow.acquire, Acquire(run_id=" ", wanted=["selftest-v"]), "run_id is empty"),
-        (FleetWorkflow.register, RegisterNode(node="Bad Id", rack="r1"), "node id 'Bad Id' must be lowercase"),
-        (FleetWorkflow.record_baseline, RecordBaseline(config_digest="abc", step_seconds=-1), "not a step time"),
+        (QuarantineNode(node="nowhere", reason="crash"), "'nowhere' is not a node"),
+        (Retest(node="selftest-v"), "selftest-v is healthy: only a quarantined node"),
+        (Acquire(run_id=" ", wanted=["selftest-v"]), "run_id is empty"),
+        (register("Bad Id"), "node id 'Bad Id' must be lowercase"),
+        (RegisterNode(node="selftest-w", rack="r1", hub="nowhere"), "hub 'nowhere' is not host:port"),
+        (RecordWindows(config_digest="abc", medians=[-1]), "not a step time"),
     ],
 )
-async def test_validators_reject_bad_requests_with_the_reason(
-    update: object, argument: object, message: str, client: Client, stack: DevStack
+async def test_a_refused_request_is_answered_with_the_reason_and_changes_nothing(
+    op: FleetOp[object], message: str, client: Client
 ) -> None:
-    async with fleet(client, FleetInput()) as handle:
-        await handle.execute_update(FleetWorkflow.register, RegisterNode(node="selftest-v", rack="r1"))
-        with pytest.raises(WorkflowUpdateFailedError) as rejected:
-            await handle.execute_update(update, argument)  # type: ignore[call-overload]
-        assert message in str(rejected.value.cause)
-        [node] = await handle.query(FleetWorkflow.nodes)
+    async with running_fleet(client, FleetInput()) as fleet:
+        await fleet.ask(register("selftest-v"))
+        with pytest.raises(FleetRefused) as refused:
+            await fleet.ask(op)
+        assert message in str(refused.value)
+        [node] = await fleet.handle.query(FleetWorkflow.nodes)
         assert node.state == NodeState.HEALTHY  # nothing changed
+        assert await fleet.handle.query(FleetWorkflow.baseline, "abc") is None
 
 
-async def test_a_dead_agent_leaves_its_node_quarantined_until_it_registers_again(
-    client: Client, stack: DevStack
-) -> None:
+async def test_a_retried_request_gets_the_first_answer_and_is_applied_once(client: Client) -> None:
+    async with running_fleet(client, FleetInput()) as fleet:
+        await fleet.ask(register("retry-x"))
+        eviction = RecordEviction(node="retry-x", run_id="r0", resolved=True)
+        first = await fleet.ask(eviction, id="r0/evict-1")
+        assert await fleet.ask(eviction, id="r0/evict-1") == first
+        assert await fleet.handle.query(FleetWorkflow.evictions) == [first]
+
+
+async def test_a_dead_agent_leaves_its_node_quarantined_until_it_registers_again(client: Client) -> None:
     node = "selftest-dead"
-    async with fleet(client, FleetInput(self_test_pickup_seconds=2)) as handle:
-        await handle.execute_update(FleetWorkflow.register, RegisterNode(node=node, rack="r1"))
-        await handle.execute_update(FleetWorkflow.quarantine, QuarantineNode(node=node, reason="node lost"))
-        await node_when(handle, node, lambda n: n.state == NodeState.QUARANTINED)
-        [record] = await handle.query(FleetWorkflow.quarantines)
+    agents = Agents(down={node})
+    async with running_fleet(client, FleetInput(self_test_pickup_seconds=2), agents) as fleet:
+        await fleet.ask(register(node))
+        await fleet.ask(QuarantineNode(node=node, reason="node lost"))
+        await node_when(fleet, node, lambda n: n.state == NodeState.QUARANTINED)
+        [record] = await fleet.handle.query(FleetWorkflow.quarantines)
         assert record.self_tests[-1].checks == {}
         assert "the node agent did not pick it up within 2s" in record.self_tests[-1].detail
 
-        async with agent(client, node, set()):  # the agent comes back and announces itself
-            await handle.execute_update(FleetWorkflow.register, RegisterNode(node=node, rack="r1"))
-            await node_when(handle, node, lambda n: n.state == NodeState.HEALTHY)
+        agents.down.clear()  # the agent comes back and announces itself
+        await fleet.ask(register(node))
+        await node_when(fleet, node, lambda n: n.state == NodeState.HEALTHY)
+        assert [t.passed for t in (await fleet.handle.query(FleetWorkflow.quarantines))[-1].self_tests] == [False, True]
 
 
-async def test_continue_as_new_carries_the_whole_fleet(client: Client, stack: DevStack) -> None:
+async def test_continue_as_new_carries_the_whole_fleet(client: Client) -> None:
     x, y = "selftest-x", "selftest-y"
-    # y's agent is down: its self-test is in flight when the history passes the limit (about 5 events
-    # per update), and the segment waits for its verdict (after the pickup timeout) before continuing.
-    async with fleet(client, FleetInput(max_history=35, self_test_pickup_seconds=5)) as handle:
-        await handle.execute_update(FleetWorkflow.register, RegisterNode(node=x, rack="r1"))
-        await handle.execute_update(FleetWorkflow.register, RegisterNode(node=y, rack="r2", spare=True))
-        assert (await acquire(handle, "r1", x, y)).granted == [x, y]
-        await handle.execute_update(FleetWorkflow.quarantine, QuarantineNode(node=y, reason="hang", run_id="r1"))
-        await handle.execute_update(FleetWorkflow.record_eviction, RecordEviction(node=x, run_id="r0", resolved=True))
-        for seconds in (1.0, 1.2, 0.9):
-            await handle.execute_update(
-                FleetWorkflow.record_baseline, RecordBaseline(config_digest="abc", step_seconds=seconds)
-            )
-        first = client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+    # y's agent is down: its self-test is in flight when the history passes the limit (about 4 events
+    # per request), and the segment waits for its verdict (after the pickup timeout) before continuing.
+    agents = Agents(down={y})
+    async with running_fleet(client, FleetInput(max_history=20, self_test_pickup_seconds=5), agents) as fleet:
+        await fleet.ask(register(x))
+        await fleet.ask(register(y, rack="r2", spare=True))
+        assert (await acquire(fleet, "r1", x, y)).granted == [x, y]
+        await fleet.ask(QuarantineNode(node=y, reason="hang", run_id="r1"))
+        eviction = RecordEviction(node=x, run_id="r0", resolved=True)
+        outcome = await fleet.ask(eviction, id="r0/evict-1")
+        await fleet.ask(RecordWindows(config_digest="abc", medians=[1.0, 1.2, 0.9]))
+        first = client.get_workflow_handle(fleet.handle.id, run_id=fleet.handle.first_execution_run_id)
         description = await first.describe()
-        assert description.history_length > 35
+        assert description.history_length > 20
         assert description.status == WorkflowExecutionStatus.RUNNING  # waiting for y's self-test
-        assert (await node_when(handle, y, lambda _: True)).state == NodeState.TESTING
+        assert (await node_when(fleet, y, lambda _: True)).state == NodeState.TESTING
 
         deadline = time.monotonic() + 30
         while (await first.describe()).status != WorkflowExecutionStatus.CONTINUED_AS_NEW:
             assert time.monotonic() < deadline, "the fleet did not continue as new"
             await asyncio.sleep(0.2)
 
-        state = await handle.query(FleetWorkflow.state)
-        assert {n.id: (n.state, n.run_id, n.spare) for n in state.nodes.values()} == {
-            x: (NodeState.HEALTHY, "r1", False),
-            y: (NodeState.QUARANTINED, None, True),
+        state = await fleet.handle.query(FleetWorkflow.state)
+        assert {n.id: (n.state, n.run_id, n.spare, n.hub) for n in state.nodes.values()} == {
+            x: (NodeState.HEALTHY, "r1", False, f"{x}.test:7000"),
+            y: (NodeState.QUARANTINED, None, True, f"{y}.test:7000"),
         }
-        [record] = state.quarantines
+        [record] = state.quarantines()
         assert (record.node, record.reason, record.run_ids_affected) == (y, "hang", ["r1"])
         assert "did not pick it up within 5s" in record.self_tests[-1].detail
         assert [(e.node, e.run_id, e.resolved) for e in state.evictions] == [(x, "r0", True)]
-        baseline = await handle.query(FleetWorkflow.baseline, "abc")
+        baseline = await fleet.handle.query(FleetWorkflow.baseline, "abc")
         assert baseline is not None
         assert (baseline.step_seconds, baseline.median) == ([1.0, 1.2, 0.9], 1.0)
 
-        # The new segment works on what it was handed.
-        assert (await acquire(handle, "r2", x, y)).refused == {
+        # The new segment works on what it was handed, and knows the answers it was handed.
+        assert await fleet.ask(eviction, id="r0/evict-1") == outcome
+        assert len(await fleet.handle.query(FleetWorkflow.evictions)) == 1
+        assert (await acquire(fleet, "r2", x, y)).refused == {
             x: f"{x} is running r1",
             y: f"{y} is quarantined: hang (run r1)",
         }
-        assert await handle.execute_update(FleetWorkflow.release, Release(run_id="r1")) == [x]
+        assert await fleet.ask(Release(run_id="r1")) == [x]
+
+
+@contextlib.asynccontextmanager
+async def cluster_fleet(client: Client) -> AsyncIterator[WorkflowHandle]:
+    """The cluster's own fleet (`fleet-default` on `stayalive`), as node agents and the CLI find it,
+    with a worker for it; nothing is started: the first who asks starts it."""
+    async with Worker(client, task_queue=TASK_QUEUE, workflows=[FleetWorkflow], activities=[Agents().self_test()]):
+        handle = fleet_handle(client)
+        try:
+            yield handle
+        finally:
+            await handle.terminate("test over")
+
+
+async def test_a_node_agent_starts_the_fleet_with_its_registration(client: Client) -> None:
+    """The cluster's fleet is started by whichever comes first, the supervisor or a node agent's
+    registration (signal-with-start); each agent lands once, with where its hub listens."""
+    async with cluster_fleet(client) as handle:
+        await asyncio.gather(
+            register_agent(client, "agent-1", "r1", False, "10.0.0.1:7000"),
+            register_agent(client, "agent-2", "r1", True, "10.0.0.2:7000"),
+        )
+        nodes = {n.id: (n.state, n.hub) for n in await handle.query(FleetWorkflow.nodes)}
+        assert nodes == {
+            "agent-1": (NodeState.HEALTHY, "10.0.0.1:7000"),
+            "agent-2": (NodeState.SPARE, "10.0.0.2:7000"),
+        }
+
+
+async def test_an_operator_quarantines_and_retests_from_the_cli(
+    client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address = ["--address", client.service_client.config.target_host]
+    async with cluster_fleet(client) as handle:
+        await register_agent(client, "agent-1", "r1", False, "10.0.0.1:7000")
+        assert await asyncio.to_thread(cli.main, [*address, "fleet", "quarantine", "agent-1", "fan failing"]) == 0
+        assert "agent-1 quarantined: fan failing" in capsys.readouterr().out
+        await node_when(FleetClient(handle), "agent-1", lambda n: n.state == NodeState.HEALTHY)  # its self-test passed
+
+        assert await asyncio.to_thread(cli.main, [*address, "fleet", "retest", "agent-1"]) == 2
+        refused = "error: the fleet refused: agent-1 is healthy: only a quarantined node is self-tested"
+        assert refused in capsys.readouterr().err
+        assert await asyncio.to_thread(cli.main, [*address, "fleet"]) == 0
+        assert "10.0.0.1:7000" in capsys.readouterr().out
+
+
+async def test_a_whole_fleet_registers_at_once(client: Client) -> None:
+    """2,048 agents start together: every registration lands (none waits on the 10-updates-in-flight
+    limit, none is lost), in workflow tasks under a second, with no payload near the 256 KiB limit."""
+    queue = workflow_id("fleet-burst")
+    # The fleet's worker runs in a process of its own, as the supervisor does: in this one it would
+    # share the interpreter with the 2,048 senders, and its workflow tasks would time them too.
+    supervisor = multiprocessing.get_context("spawn").Process(
+        target=serve_fleets, args=(client.service_client.config.target_host, queue), daemon=True
+    )
+    supervisor.start()
+    handle = await client.start_workflow(FleetWorkflow.run, FleetInput(), id=workflow_id("fleet"), task_queue=queue)
+    try:
+        fleet = FleetClient(handle)
+        await fleet.ask(register("burst-first"), within=120)  # the supervisor is up
+        started = time.monotonic()
+        answers = await asyncio.gather(
+            *(
+                fleet.ask(RegisterNode(node=f"node-{i:04d}", rack=f"rack-{i // 8:03d}", hub=hub(i)))
+                for i in range(BURST)
+            )
+        )
+        landed = time.monotonic() - started
+        assert [a.id for a in answers] == [f"node-{i:04d}" for i in range(BURST)]
+        hubs = await handle.query(FleetWorkflow.hubs, [f"node-{i:04d}" for i in range(BURST)])
+        assert hubs == {f"node-{i:04d}": hub(i) for i in range(BURST)}
+
+        longest_task, largest_payload = await history_figures(handle)
+        print(
+            f"{BURST} registrations landed in {landed:.1f}s; longest workflow task {longest_task:.3f}s, "
+            f"largest payload {largest_payload:,} bytes"
+        )
+        assert longest_task < 1.0
+        assert largest_payload < PAYLOAD_LIMIT
+    finally:
+        await handle.terminate("test over")
+        supervisor.terminate()
+        supervisor.join()
+
+
+def serve_fleets(address: str, queue: str) -> None:
+    """A FleetWorkflow worker on `queue`, until terminated (the burst test's supervisor process)."""
+
+    async def serve() -> None:
+        client = await Client.connect(address, data_converter=pydantic_data_converter)
+        async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def hub(i: int) -> str:
+    return f"10.{128 + i // 256}.{i % 256}.17:29400"
+
+
+async def history_figures(handle: WorkflowHandle) -> tuple[float, int]:
+    """The longest workflow task (WorkflowTaskStarted → WorkflowTaskCompleted) and the largest payload
+    in the workflow's history."""
+    started: dict[int, datetime] = {}
+    longest, largest = 0.0, 0
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            started[event.event_id] = event.event_time.ToDatetime()
+        elif event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            began = started[event.workflow_task_completed_event_attributes.started_event_id]
+            longest = max(longest, (event.event_time.ToDatetime() - began).total_seconds())
+        largest = max([largest, *(p.ByteSize() for p in payloads(event))])
+    return longest, largest
+
+
+def payloads(message: Message) -> Iterator[Payload]:
+    """Every payload anywhere in a history event."""
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue  # a scalar
+        if descriptor.message_type.GetOptions().map_entry:
+            values = list(value.values())
+        else:
+            values = list(value) if descriptor.is_repeated else [value]
+        for item in values:
+            if isinstance(item, Payload):
+                yield item
+            elif isinstance(item, Message):
+                yield from payloads(item)
 
 
 async def activity_summaries(client: Client, handle: WorkflowHandle) -> list[str]:
