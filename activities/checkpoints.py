@@ -3,7 +3,8 @@ delete what retention no longer needs.
 
 `keep_checkpoints` is the run monitor's second loop (activities/monitor.py): for the whole generation
 it waits for each committed checkpoint, validates it, deletes what retention drops, and signals the
-verdict (one history event per checkpoint). `choose_checkpoint` runs before a restart, as a local
+verdict (one history event per checkpoint; the held step's goes with the generation's end).
+`choose_checkpoint` runs before a restart, as a local
 activity: it finds what the run left on storage that the workflow has not judged yet (a checkpoint
 committed just before the crash, a write that never committed).
 """
@@ -11,6 +12,7 @@ committed just before the crash, a write that never committed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,26 +24,17 @@ from pydantic import BaseModel
 from temporalio import activity
 
 from activities.reporting import Heartbeat, signal_run
-from activities.telemetry import records
-from core.checkpoints import norm_problem
+from activities.telemetry import NodeStreams
+from core.checkpoints import ChooseInput, norm_problem
 from core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
 from core.recovery import file_judged
 from core.retention import to_delete
 from core.run import CheckpointRecord
-from core.telemetry import CheckpointCommitted
+from core.telemetry import CheckpointCommitted, Subscribe
 from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_manifest, within_root
 from training.validate import TestLoad
 
 log = structlog.get_logger()
-
-
-class ChooseInput(BaseModel):
-    run_id: str
-    root: str
-    directory: str  # the run's checkpoint directory
-    generation: int  # the generation about to start
-    known: list[str]  # names (step-…-g…) of the checkpoints the workflow has already judged
-    reference: CheckpointRecord | None
 
 
 class Verdict(BaseModel):
@@ -143,28 +136,65 @@ class Shelf:
         self.records = [c for c in self.records if c.path not in deleted]
 
 
-async def keep_checkpoints(input: MonitorInput, keeper: KeeperInput, beat: Heartbeat) -> None:
-    """Judge each checkpoint the generation commits, delete what retention drops, signal the verdict.
-    Returns only when the workflow run is gone."""
-    after = {str(k): int(v) for k, v in beat.resumed.get("checkpoints_after", keeper.after).items()}
+class Handover:
+    """Where the keeper's verdicts go. By signal, one each, except the verdict on the checkpoint every
+    rank holds at: that one travels with the end of the generation (AllHeld), which the monitor
+    completes with, so a drain or a pause costs the history one event less."""
+
+    def __init__(self) -> None:
+        self.hold_step: int | None = None
+        self.kept: dict[int, CheckpointJudged] = {}
+        self.signalled: set[int] = set()
+        self._changed = asyncio.Event()
+
+    async def deliver(self, judged: CheckpointJudged) -> bool:
+        """False when the workflow run is gone (continued as new, or ended)."""
+        step = judged.checkpoint.step
+        if step == self.hold_step:
+            self.kept[step] = judged
+        elif await signal_run(CHECKPOINT_JUDGED, judged):
+            self.signalled.add(step)
+        else:
+            return False
+        self._changed.set()
+        return True
+
+    async def held(self, step: int, timeout: float) -> CheckpointJudged | None:
+        """Every rank holds at `step`: its verdict, once the keeper has it (None if the keeper already
+        signalled it, or has none in `timeout` seconds: the workflow then judges storage)."""
+        self.hold_step = step
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while step not in self.kept and step not in self.signalled:
+                    self._changed.clear()
+                    await self._changed.wait()
+        return self.kept.get(step)
+
+
+async def keep_checkpoints(
+    input: MonitorInput, keeper: KeeperInput, hubs: dict[str, str], beat: Heartbeat, handover: Handover
+) -> None:
+    """Judge each checkpoint the generation commits, delete what retention drops, hand over the
+    verdict. Its place in each node's stream is kept by the node (reader `keep/g<generation>`), so a
+    retried or re-attached keeper judges nothing twice. Returns only when the workflow run is gone."""
     shelved = beat.resumed.get("shelf")
     shelf = Shelf(keeper, [CheckpointRecord.model_validate(c) for c in shelved] if shelved else keeper.checkpoints)
-    async for record in records(input.run_id, input.endpoints, after, only=["committed"]):
-        if record is not None:
-            message = record.message
-            if isinstance(message, CheckpointCommitted) and message.generation == input.generation:
+    subscribe = Subscribe(
+        run_id=input.run_id, reader=f"keep/g{input.generation}", generation=input.generation, only=["committed"]
+    )
+    async with NodeStreams(subscribe, hubs) as streams:
+        while True:
+            record = await streams.next(timeout=1.0)
+            if record is not None and isinstance(message := record.message, CheckpointCommitted):
                 checkpoint = await judge(input.run_id, keeper.root, message, shelf.reference(), beat)
                 deleted = await asyncio.to_thread(_delete, keeper.root, [c.path for c in shelf.add(checkpoint)])
                 shelf.forget(deleted)
-                cursor = after | {record.node: record.seq}
-                judged = CheckpointJudged(
-                    generation=input.generation, checkpoint=checkpoint, after=cursor, deleted=deleted
-                )
-                if not await signal_run(CHECKPOINT_JUDGED, judged):
+                if not await handover.deliver(
+                    CheckpointJudged(generation=input.generation, checkpoint=checkpoint, deleted=deleted)
+                ):
                     return
                 beat(shelf=[c.model_dump(mode="json") for c in shelf.records])
-            after[record.node] = record.seq
-        beat(checkpoints_after=after)
+                streams.ack({record.node: record.seq})
 
 
 async def judge(

@@ -1,63 +1,48 @@
 """The run monitor: one long-running activity per generation that reads every node's telemetry, with
 two loops.
 
-The watch loop runs the detectors (core/detectors.py). It heartbeats a live summary (step, loss,
-steps/s, step-time p50/max, slowest rank) and signals the workflow a typed event only when the
-workflow has something to decide: the first step of a generation, a hang, a straggler, a slowdown of
-the whole run, a failed SDC check, a skipped update, or a stretch of healthy windows for the fleet's
-baseline. The keeper loop (activities/checkpoints.py) judges each checkpoint the ranks commit and
-signals the verdict.
+The watch loop folds the records into core.watch.GenerationWatch, which runs the detectors and tells
+how the generation ends. It heartbeats a live summary (step, loss, steps/s, step-time p50/max,
+slowest rank) and signals the workflow a typed event only when the workflow has something to decide:
+the first step, a straggler, a slowdown of the whole run, a skipped update, healthy windows for the
+fleet's baseline, every rank finished. What ends the generation — a failed rank, a silent node, a
+hang, a failed SDC check, every rank holding — it completes with: one completion, not a signal and
+then a cancel. The keeper loop (activities/checkpoints.py) judges each checkpoint the ranks commit.
 
-It runs until the workflow cancels it (the generation ended), so a report costs the history one
-signal, not an activity's end and the next one's start, and a generation has one activity to cancel
-besides its ranks. History grows with decisions, not steps. What it already reported (its cursors,
-the stragglers and slowdown it knows of, the checkpoints it kept) travels in its heartbeats, so a
-monitor restarted on another supervisor worker resumes where the last one stopped.
+Its place in each node's stream is kept by the node (readers `watch/g<n>` and `keep/g<n>`): a
+monitor retried on another supervisor worker, or started by the next workflow segment, resumes
+after what the last one acknowledged, and the workflow carries no cursor for any node.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import statistics
 import time
-from collections.abc import Coroutine
-from typing import Any, Literal
 
-import numpy as np
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
-from activities.checkpoints import keep_checkpoints
+from activities.checkpoints import Handover, keep_checkpoints
+from activities.fleet import FleetActivities
 from activities.reporting import Heartbeat, signal_run
-from activities.telemetry import records
-from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
-from core.diagnosis import GpuHealth, Verdict, diagnose
+from activities.telemetry import NodeStreams
 from core.events import (
     MONITOR_REPORT,
-    AnomalyFound,
-    FirstStep,
+    AllHeld,
     Hang,
-    HealthyWindows,
     MonitorEvent,
     MonitorInput,
     MonitorReport,
+    NodeLost,
+    RankFailed,
     SdcDetected,
-    SlowdownFound,
-    SlownessTally,
-    StragglerFound,
 )
-from core.goodput import straggler_wait
-from core.progress import ProgressTracker, StepVectors
-from core.run import Progress
-from core.telemetry import Anomaly, Finished, GpuReport, Held, Record, Resumed, SdcCheck, StepReport
+from core.telemetry import Subscribe
+from core.watch import GenerationWatch
 
 HEARTBEAT_SECONDS = 1.0
-
-
-def resumed_cursor(beat: Heartbeat, after: dict[str, int]) -> dict[str, int]:
-    """The cursor of this attempt: the last heartbeat's, when an earlier attempt died mid-way."""
-    return {str(k): int(v) for k, v in beat.resumed.get("after", after).items()}
+TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving
+HELD_VERDICT_WITHIN = 300.0  # the held step's checkpoint is on storage; its verdict is a validation away
+ENDS = (RankFailed, NodeLost, Hang, SdcDetected)
 
 
 def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
@@ -75,231 +60,76 @@ def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
     )
 
 
-class _Detectors:
-    """Everything the monitor knows about one generation, folded from its telemetry."""
+class MonitorActivities:
+    def __init__(self, fleet: FleetActivities) -> None:
+        self.fleet = fleet  # where each node agent's hub listens
 
-    def __init__(self, input: MonitorInput) -> None:
-        self.input = input
-        self.known_stragglers = list(input.known_stragglers)
-        self.slowdown_known = input.slowdown_known
-        self.await_first_step = input.await_first_step
-        self.progress = ProgressTracker(input.world_size, input.generation)
-        self.vectors = StepVectors(input.world_size)
-        self.relative = RelativeStraggler(input.world_size, sigma=input.straggler_sigma, k=input.straggler_steps)
-        self.absolute = AbsoluteSlowdown(input.baseline)
-        self.watchdog = HangWatchdog(input.step_timeout or "auto")
-        self.watchdog.last_progress_at = time.time()  # the clock runs from the monitor's start
-        self.node_of: dict[int, str] = {}
-        self.gpus: dict[str, list[GpuHealth]] = {}
-        self.window: list[float] = []  # the current window's step times
-        self.healthy: list[float] = []  # medians of consecutive healthy windows, for the fleet's baseline
-        self.restored_from: Literal["memory", "storage"] | None = None
-        self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
-        self.next_tally = time.monotonic() + input.tally_s
-        self.finished: set[int] = set()  # ranks that reached the target step and exited cleanly
-
-    def record(self, record: Record) -> MonitorEvent | None:
-        """Fold one telemetry record in; the event it makes, if any."""
-        message = record.message
-        if isinstance(message, GpuReport):
-            self.gpus[message.node] = message.readings
-        elif message.generation != self.input.generation:
-            pass
-        elif isinstance(message, Resumed):
-            self.restored_from = message.source
-        elif isinstance(message, Finished):
-            self.finished.add(message.rank)
-        elif isinstance(message, SdcCheck) and not message.passed:
-            return SdcDetected(check=message, progress=self.summary(), after={})
-        elif isinstance(message, Anomaly):
-            return AnomalyFound(anomaly=message, progress=self.summary(), after={})
-        elif isinstance(message, StepReport):
-            event = self.step(message, record.node)
-            if event is None and self.await_first_step and self.progress.step > self.input.resume_step:
-                return FirstStep(
-                    step=self.progress.step,
-                    at=message.at,
-                    restored_from=self.restored_from,
-                    progress=self.summary(),
-                    after={},
-                )
-            return event
-        return None
-
-    def hang(self) -> Hang | None:
-        """No step within the timeout. Ranks that all finished make no more progress, and that is no hang."""
-        if len(self.finished) >= self.input.world_size or not self.watchdog.overdue(time.time()):
-            return None
-        stalled = time.time() - (self.watchdog.last_progress_at or time.time())
-        return Hang(
-            step=self.progress.step,
-            stalled_s=stalled,
-            timeout_s=self.watchdog.timeout,
-            at=time.time(),
-            progress=self.summary(),
-            after={},
+    @activity.defn
+    async def monitor_run(self, input: MonitorInput) -> MonitorReport:
+        """Watch the generation until something ends it (completing with that), signalling on the way
+        what the detectors find and each checkpoint's verdict."""
+        hubs = await self.fleet.hubs(input.nodes)
+        beat, handover = Heartbeat(), Handover()
+        watching = asyncio.create_task(watch(input, hubs, beat, handover))
+        keeping = asyncio.create_task(
+            keep_checkpoints(input, input.keeper, hubs, beat, handover) if input.keeper else asyncio.Event().wait()
         )
-
-    def verdict(self, node: str) -> Verdict | None:
-        """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""
-        readings = self.gpus.get(node)
-        if not readings:
-            return None
-        rack = readings[0].rack
-        peers = [g for n, gs in self.gpus.items() if n != node for g in gs if g.rack == rack]
-        return diagnose(readings, peers)
-
-    def step(self, report: StepReport, node: str) -> MonitorEvent | None:
-        self.node_of[report.rank] = node
-        self.progress.observe(report)
-        events: list[MonitorEvent | None] = []
-        for step, compute, step_s in self.vectors.add(report):
-            self.watchdog.progress(step, report.at, float(np.nanmedian(step_s)))
-            events.append(self._judge(step, compute, step_s))
-        return next((e for e in events if e is not None), None)
-
-    def summary(self) -> Progress:
-        return self.progress.summary().model_copy(update={"straggler_s": self.straggler_s})
-
-    def reported(self, event: MonitorEvent) -> None:
-        """The workflow has it: count the slowness afresh, and know what it now knows."""
-        self.straggler_s = 0.0
-        self.next_tally = time.monotonic() + self.input.tally_s
-        if isinstance(event, FirstStep):
-            self.await_first_step = False
-        elif isinstance(event, StragglerFound):
-            self.known_stragglers.append(event.rank)
-        elif isinstance(event, SlowdownFound):
-            self.slowdown_known = True
-
-    def knowledge(self) -> dict[str, object]:
-        return {
-            "known_stragglers": self.known_stragglers,
-            "slowdown_known": self.slowdown_known,
-            "await_first_step": self.await_first_step,
-        }
-
-    def _judge(self, step: int, compute: np.ndarray, step_s: np.ndarray) -> MonitorEvent | None:
-        summary = self.summary
-        known_slowdown = self.absolute.baseline_median if self.slowdown_known and self.absolute.armed else None
-        self.straggler_s += straggler_wait(compute, float(np.nanmedian(step_s)), self.known_stragglers, known_slowdown)
-        for flag in self.relative.observe(step, compute):
-            if flag.rank not in self.known_stragglers:
-                self.healthy.clear()
-                node = self.node_of.get(flag.rank, "?")
-                return StragglerFound(
-                    rank=flag.rank,
-                    node=node,
-                    step=step,
-                    ratio=flag.ratio,
-                    z=flag.z,
-                    verdict=self.verdict(node),
-                    rack=self.gpus[node][0].rack if self.gpus.get(node) else None,
-                    progress=summary(),
-                    after={},
-                )
-        if (slow := self.absolute.observe(step, step_s)) is not None and not self.slowdown_known:
-            self.healthy.clear()
-            verdicts = {n: v for n in sorted(set(self.node_of.values())) if (v := self.verdict(n)) is not None}
-            return SlowdownFound(
-                step=step,
-                ratio=slow.ratio,
-                window_median=slow.window_median,
-                baseline_median=slow.baseline_median,
-                verdicts=verdicts,
-                progress=summary(),
-                after={},
-            )
-        if (self.known_stragglers or self.slowdown_known) and time.monotonic() >= self.next_tally:
-            return SlownessTally(progress=summary(), after={})
-        return self._window(float(np.nanmedian(step_s)))
-
-    def _window(self, step_s: float) -> MonitorEvent | None:
-        """Healthy windows (none slow against the baseline, no straggler known) teach the fleet's
-        baseline; a slow one starts the count over, so a slowdown never becomes the norm."""
-        self.window.append(step_s)
-        if len(self.window) < WINDOW_STEPS:
-            return None
-        median = statistics.median(self.window)
-        self.window.clear()
-        if self.known_stragglers or (self.absolute.armed and median > self.absolute.threshold):
-            self.healthy.clear()
-            return None
-        self.healthy.append(median)
-        if len(self.healthy) < self.input.healthy_windows:
-            return None
-        medians, self.healthy = self.healthy, []
-        return HealthyWindows(medians=medians, progress=self.summary(), after={})
+        try:
+            await asyncio.wait([watching, keeping], return_when=asyncio.FIRST_COMPLETED)
+            if keeping.done():
+                keeping.result()  # the keeper only returns when the run is gone (or raises)
+            return await watching
+        finally:
+            for task in (watching, keeping):
+                task.cancel()
+            await asyncio.gather(watching, keeping, return_exceptions=True)
 
 
-@activity.defn
-async def monitor_run(input: MonitorInput) -> None:
-    """Watch the generation until the workflow cancels it: signal each finding of the detectors and, with
-    a keeper, each checkpoint's verdict."""
-    beat = Heartbeat()
-    loops = [watch(input, beat)]
-    if input.keeper is not None:
-        loops.append(keep_checkpoints(input, input.keeper, beat))
-    await _until_one_returns(loops)
+async def watch(input: MonitorInput, hubs: dict[str, str], beat: Heartbeat, handover: Handover) -> MonitorReport:
+    """Fold every record and step frame into the generation's watch; signal its findings; return what
+    ended it. Records are acknowledged to their nodes with each heartbeat, never past an ending."""
+    now = time.monotonic()
+    seen = GenerationWatch(resumed_knowledge(beat, input), now, time.time())
+    subscribe = Subscribe(
+        run_id=input.run_id,
+        reader=f"watch/g{input.generation}",
+        generation=input.generation,
+        packed_ranks=input.ranks_per_node if input.hooks else None,
+        only=None if input.hooks else ["exited"],
+    )
+    next_beat = next_tick = 0.0
+    async with NodeStreams(subscribe, hubs, on_frame=seen.ingest.add) as streams:
+        seen.heard = streams.heard  # anything a node sends counts as hearing from it
+        while True:
+            first = await streams.next(timeout=TICK_SECONDS)
+            records = [first, *streams.drain()] if first is not None else []
+            places = dict(streams.read)  # everything read so far is in `records` or in the step ingest
+            now = time.monotonic()
+            events: list[MonitorEvent | None] = [seen.record(r.node, r.message, now) for r in records]
+            events += seen.steps(now)
+            if now >= next_tick:
+                events.append(seen.tick(now, time.time()))
+                next_tick = now + TICK_SECONDS
+            if (held := seen.all_held()) is not None:
+                judged = await handover.held(held, HELD_VERDICT_WITHIN)
+                ended = AllHeld(step=held, judged=judged, progress=seen.summary())
+                return MonitorReport(generation=input.generation, event=ended)
+            for event in events:
+                if isinstance(event, ENDS):
+                    return MonitorReport(generation=input.generation, event=event)
+                if event is not None:
+                    if not await signal_run(MONITOR_REPORT, MonitorReport(generation=input.generation, event=event)):
+                        await _until_cancelled(beat)
+                    seen.reported(event, now)
+            if now >= next_beat:
+                beat(progress=seen.summary().model_dump(), **seen.knowledge())
+                if seen.witness is None:  # a witness's record must be read again by a monitor that replaces this one
+                    streams.ack(places)
+                next_beat = now + HEARTBEAT_SECONDS
 
 
-async def watch(input: MonitorInput, beat: Heartbeat) -> None:
-    """Run the detectors over every record, signalling what they find. A hang or a failed SDC check
-    ends the generation: after one, it only heartbeats. Returns only when the workflow run is gone."""
-    after = resumed_cursor(beat, input.after)
-    seen = _Detectors(resumed_knowledge(beat, input))
-    next_heartbeat = 0.0
-    async with contextlib.aclosing(records(input.run_id, input.endpoints, after)) as stream:
-        async for record in stream:
-            event = None
-            if record is not None:
-                event = seen.record(record)
-                after[record.node] = record.seq
-            if (event := event or seen.hang()) is not None:
-                found = MonitorReport(generation=input.generation, event=event.model_copy(update={"after": after}))
-                if not await signal_run(MONITOR_REPORT, found):
-                    return
-                seen.reported(event)
-                if isinstance(event, Hang | SdcDetected):
-                    break
-            if time.monotonic() >= next_heartbeat:
-                beat(after=after, progress=seen.summary().model_dump(), **seen.knowledge())
-                next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
-    while True:  # until cancelled
-        beat(after=after, progress=seen.summary().model_dump(), **seen.knowledge())
+async def _until_cancelled(beat: Heartbeat) -> None:
+    """The workflow run is gone (continued as new, or over): heartbeat until the cancel arrives."""
+    while True:
+        beat()
         await asyncio.sleep(HEARTBEAT_SECONDS)
-
-
-async def _until_one_returns(loops: list[Coroutine[Any, Any, None]]) -> None:
-    """Run the loops side by side until one returns (or raises); then stop the others."""
-    tasks = [asyncio.ensure_future(loop) for loop in loops]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@activity.defn
-async def await_hold(input: MonitorInput) -> Held:
-    """Wait until every rank of the generation has finished the same step, checkpointed it and holds."""
-    beat = Heartbeat()
-    after = resumed_cursor(beat, input.after)
-    held: dict[int, Held] = {}
-    async for record in records(input.run_id, input.endpoints, after, only=["held"]):
-        if record is None:
-            beat(after=after, held=sorted(held))
-            continue
-        after[record.node] = record.seq
-        message = record.message
-        if isinstance(message, Held) and message.generation == input.generation:
-            held[message.rank] = message
-            if len(held) == input.world_size:
-                steps = {h.step for h in held.values()}
-                if len(steps) != 1:  # cannot happen while ranks agree on commands; fail loudly if it does
-                    raise ApplicationError(f"ranks hold at different steps {sorted(steps)}", non_retryable=True)
-                return next(iter(held.values()))
-    raise AssertionError("the telemetry stream never ends")

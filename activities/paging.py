@@ -13,59 +13,19 @@ import json
 import os
 import urllib.error
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 
 import structlog
-from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from core.paging import Classification, PagingClass
+from core.paging import Page
 
 log = structlog.get_logger()
 
 WEBHOOK_TIMEOUT_S = 2.0  # one attempt; the retry policy spaces the next ones
 # A client error will not heal on retry (a bad URL, a rejected body), except these two.
 RETRYABLE_CLIENT_ERRORS = frozenset({408, 429})
-
-
-class Page(BaseModel):
-    run_id: str
-    at: datetime
-    paging: PagingClass
-    rule: str
-    summary: str  # what happened, in one line
-    evidence: str
-    action: str  # what a person should do
-    webhook_url: str | None = None
-    jsonl_path: str | None = None
-
-    @classmethod
-    def of(
-        cls,
-        run_id: str,
-        at: datetime,
-        classification: Classification,
-        summary: str,
-        webhook_url: str | None = None,
-        jsonl_path: str | None = None,
-    ) -> Page:
-        return cls(
-            run_id=run_id,
-            at=at,
-            paging=classification.paging,
-            rule=classification.rule,
-            summary=summary,
-            evidence=classification.evidence,
-            action=classification.action,
-            webhook_url=webhook_url,
-            jsonl_path=jsonl_path,
-        )
-
-    def record(self) -> dict[str, object]:
-        """What every sink receives: the page without where it is going."""
-        return self.model_dump(mode="json", exclude={"webhook_url", "jsonl_path"})
 
 
 @activity.defn

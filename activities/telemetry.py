@@ -1,56 +1,106 @@
-"""Reading a run's telemetry from its node agents, as the run monitor and the checkpoint keeper do."""
+"""Reading a run's telemetry from its node agents, as the run monitor's loops do: one stream per node,
+resumed after the last record this reader acknowledged (the agent keeps the place), reconnecting
+when the line drops.
+
+Step batches arrive as binary frames and go straight to `on_frame` (kept as bytes, decoded in bulk
+later); every other record is queued in arrival order. Anything an agent sends, a Beat included,
+counts as hearing from it: a node the reader has not heard from for long is silent, not quiet.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import contextlib
+import time
+from collections.abc import Callable
 
 import structlog
 
-from core.launch import NodeEndpoint
-from core.telemetry import Record, Subscribe
+from core.launch import Endpoint
+from core.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
 
 log = structlog.get_logger()
 
 
-async def _follow(
-    run_id: str, endpoint: NodeEndpoint, after: dict[str, int], only: list[str] | None, out: asyncio.Queue[Record]
-) -> None:
-    """Stream one node's records into `out`, reconnecting (from the latest cursor) if the line drops."""
-    backoff = 0.2
-    while True:
+class NodeStreams:
+    def __init__(
+        self,
+        subscribe: Subscribe,
+        hubs: dict[str, str],
+        on_frame: Callable[[bytes], None] = lambda _: None,
+    ) -> None:
+        self.subscribe = subscribe  # the same for every node: the run, this reader's name, what it wants
+        self.hubs = hubs  # node → where its agent's hub listens
+        self.on_frame = on_frame
+        self.records: asyncio.Queue[Record] = asyncio.Queue()
+        self.heard = dict.fromkeys(hubs, time.monotonic())  # node → when it last sent anything
+        self.read: dict[str, int] = {}  # node → the newest seq read (frames included)
+        self._writers: dict[str, asyncio.StreamWriter] = {}
+        self._acked: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> NodeStreams:
+        self._tasks = [asyncio.create_task(self._follow(node, hub)) for node, hub in self.hubs.items()]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def ack(self, places: dict[str, int]) -> None:
+        """Tell each node this reader is done with its records up to `places[node]`."""
+        for node, seq in places.items():
+            if seq > self._acked.get(node, 0) and (writer := self._writers.get(node)) is not None:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    writer.write(Ack(seq=seq).model_dump_json().encode() + b"\n")
+                    self._acked[node] = seq
+
+    async def next(self, timeout: float) -> Record | None:
+        """The next record from any node, or None after `timeout` seconds of nothing."""
         try:
-            reader, writer = await asyncio.open_connection(endpoint.hub.host, endpoint.hub.port)
-            subscribe = Subscribe(run_id=run_id, after=after.get(endpoint.node, 0), only=only)
-            writer.write(subscribe.model_dump_json().encode() + b"\n")
-            await writer.drain()
-            backoff = 0.2
-            while line := await reader.readline():
-                await out.put(Record.model_validate_json(line))
-        except OSError as exc:
-            log.warning("node telemetry unreachable", run_id=run_id, node=endpoint.node, error=str(exc))
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 5.0)
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel on 3.11 (gh-86296)
+                return await self.records.get()
+        except TimeoutError:
+            return None
 
+    def drain(self) -> list[Record]:
+        """Every record queued now, without waiting."""
+        drained = []
+        while not self.records.empty():
+            drained.append(self.records.get_nowait())
+        return drained
 
-async def records(
-    run_id: str, endpoints: list[NodeEndpoint], after: dict[str, int], only: list[str] | None = None
-) -> AsyncGenerator[Record | None, None]:
-    """Every node's records after `after`, merged as they arrive; None each idle second, so a caller
-    can heartbeat. The caller advances `after` as it consumes records."""
-    queue: asyncio.Queue[Record] = asyncio.Queue()
-    followers = [asyncio.create_task(_follow(run_id, e, after, only, queue)) for e in endpoints]
-    try:
+    async def _follow(self, node: str, hub: str) -> None:
+        """Stream one node's records, reconnecting (from where this reader acknowledged) if the line drops."""
+        address = Endpoint.parse(hub)
+        packed = self.subscribe.packed_ranks
+        size = steps_frame(packed).itemsize if packed is not None else 0
+        backoff = 0.2
         while True:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands as a
-            # record arrives (gh-86296), and a cancelled monitor or keeper would then run on forever.
             try:
-                async with asyncio.timeout(1.0):
-                    record = await queue.get()
-            except TimeoutError:
-                yield None
-            else:
-                yield record
-    finally:
-        for follower in followers:
-            follower.cancel()
+                reader, writer = await asyncio.open_connection(address.host, address.port)
+                writer.write(self.subscribe.model_dump_json().encode() + b"\n")
+                await writer.drain()
+                self._writers[node], self._acked[node] = writer, 0
+                backoff = 0.2
+                while mark := await reader.read(1):
+                    self.heard[node] = time.monotonic()
+                    if mark == FRAME_MARK:
+                        frame = await reader.readexactly(size)
+                        self.read[node] = frame_seq(frame)
+                        self.on_frame(frame)
+                        continue
+                    line = mark + await reader.readline()
+                    if line.startswith(b'{"t":"beat"'):
+                        Beat.model_validate_json(line)  # the agent is alive; nothing to file
+                        continue
+                    record = Record.model_validate_json(line)
+                    self.read[node] = record.seq
+                    await self.records.put(record)
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                log.warning("node telemetry unreachable", run_id=self.subscribe.run_id, node=node, error=str(exc))
+            finally:
+                self._writers.pop(node, None)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)

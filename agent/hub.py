@@ -1,35 +1,42 @@
-"""The node agent's local switchboard.
+"""The node agent's switchboard: one TCP port, and the first line of a connection says who calls.
 
-Ranks on this host connect to it (reports up, commands down); the run monitor connects to it from
-the supervisor and subscribes to a run's records after a cursor, so a restarted monitor resumes
-where the last one stopped. Everything is one JSON object per line over TCP.
+- A rank on this host (Hello): reports up, commands down, for its life.
+- A reader, the run monitor on the supervisor (Subscribe): a run's records, resuming after the last
+  one it acknowledged; step batches as binary frames when asked; a Beat every second.
+- A rank on another host (PutFile, GetFile): a checkpoint shard into or out of the host-memory tier.
+- The supervisor (core.control's requests): launch, command, dump stacks, release, self-test; one
+  JSON line answered by one.
+Everything else is one JSON object per line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-from collections import deque
-from dataclasses import dataclass, field
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union
 
 import structlog
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
+from agent.channel import RunChannel
+from core.control import AgentAnswer, AgentRequest, Refused
 from core.launch import Endpoint
 from core.telemetry import (
+    FRAME_MARK,
+    Ack,
+    Beat,
     Command,
     FileHeader,
     GetFile,
     Hello,
+    NodeSteps,
     PutFile,
-    RankMessage,
     Record,
-    StepReport,
     Subscribe,
-    opening,
+    pack_steps,
     rank_message,
 )
 from training.checkpoint import CheckpointError
@@ -37,39 +44,10 @@ from training.memory import memory_path, prune
 
 log = structlog.get_logger()
 
-# Records a node keeps per run for a monitor that reconnects: minutes of steps at thousands of steps/s.
-_RETAINED = 200_000
-
-
-@dataclass
-class RunChannel:
-    """One run's traffic on this node."""
-
-    run_id: str
-    node: str
-    records: deque[Record] = field(default_factory=lambda: deque(maxlen=_RETAINED))
-    seq: int = 0
-    last_step: dict[int, int] = field(default_factory=dict)
-    ranks: dict[int, asyncio.StreamWriter] = field(default_factory=dict)
-    _arrival: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-    def append(self, message: RankMessage) -> None:
-        self.seq += 1
-        self.records.append(Record(seq=self.seq, node=self.node, message=message))
-        if isinstance(message, StepReport):
-            self.last_step[message.rank] = message.step
-        elif isinstance(message, Hello):
-            self.last_step.pop(message.rank, None)  # a new generation starts counting again
-        arrived, self._arrival = self._arrival, asyncio.get_running_loop().create_future()
-        arrived.set_result(None)
-
-    def next_arrival(self) -> asyncio.Future[None]:
-        return self._arrival
-
-    def after(self, cursor: int) -> list[Record]:
-        if not self.records or self.records[-1].seq <= cursor:
-            return []
-        return list(itertools.islice(self.records, max(0, cursor + 1 - self.records[0].seq), None))
+BEAT_SECONDS = 1.0
+Opening = Annotated[Union[Hello, Subscribe, PutFile, GetFile, AgentRequest], Field(discriminator="t")]  # noqa: UP007
+_opening = TypeAdapter(Opening)
+Answerer = Callable[[AgentRequest], Awaitable[AgentAnswer]]
 
 
 class NodeHub:
@@ -79,6 +57,7 @@ class NodeHub:
         self.memory_dir = memory_dir
         self.advertise = advertise or host
         self.runs: dict[str, RunChannel] = {}
+        self.answer: Answerer | None = None  # the agent's handler of the supervisor's requests
         self._server: asyncio.Server | None = None
 
     async def start(self) -> Endpoint:
@@ -120,15 +99,17 @@ class NodeHub:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            first = opening.validate_json(await reader.readline())
+            first = _opening.validate_json(await reader.readline())
             if isinstance(first, Subscribe):
                 await self._stream(first, reader, writer)
             elif isinstance(first, PutFile):
                 await self._keep_file(first, reader)
             elif isinstance(first, GetFile):
                 await self._serve_file(first, writer)
-            else:
+            elif isinstance(first, Hello):
                 await self._receive(first, reader, writer)
+            else:
+                await self._answer(first, writer)
         except (ConnectionError, ValidationError, CheckpointError, asyncio.IncompleteReadError) as exc:
             log.warning("hub connection dropped", node=self.node, error=str(exc))
         finally:
@@ -177,22 +158,61 @@ class NodeHub:
                     await writer.drain()
         await writer.drain()
 
-    async def _stream(self, subscribe: Subscribe, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = self.run(subscribe.run_id)
-        cursor = subscribe.after
-        hung_up = asyncio.ensure_future(reader.read())  # the monitor never writes again: EOF means it left
+    async def _answer(self, request: AgentRequest, writer: asyncio.StreamWriter) -> None:
+        """One request from the supervisor, one answer; a failure is answered, not dropped."""
         try:
-            while not hung_up.done():
+            if self.answer is None:
+                raise RuntimeError(f"the agent of {self.node} takes no requests yet")
+            answer = await self.answer(request)
+        except Exception as exc:
+            log.exception("request failed", node=self.node, request=request.t)
+            answer = Refused(error=f"{self.node}: {exc}")
+        writer.write(answer.model_dump_json().encode() + b"\n")
+        await writer.drain()
+
+    async def _stream(self, subscribe: Subscribe, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A reader's stream: the run's records after where it is, as they arrive, and a Beat every
+        second. It acknowledges what it has dealt with (Ack lines), and its place is kept here."""
+        channel = self.run(subscribe.run_id)
+        cursor = channel.start_for(subscribe.reader, subscribe.generation, subscribe.after)
+        acks = asyncio.ensure_future(self._acks(subscribe, channel, reader))  # ends when the reader hangs up
+        beat = time.monotonic() + BEAT_SECONDS
+        try:
+            while not acks.done():
                 if batch := channel.after(cursor):
                     cursor = batch[-1].seq
-                    if subscribe.only is not None:
-                        batch = [r for r in batch if r.message.t in subscribe.only]
-                    if not batch:
-                        continue
-                    writer.write(b"".join(r.model_dump_json().encode() + b"\n" for r in batch))
+                    writer.write(b"".join(_encode(subscribe, r) for r in batch if _wanted(subscribe, r)))
                     await writer.drain()
-                else:
-                    waiters: list[asyncio.Future[Any]] = [channel.next_arrival(), hung_up]
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if time.monotonic() >= beat:
+                    writer.write(Beat(at=time.time()).model_dump_json().encode() + b"\n")
+                    await writer.drain()
+                    beat = time.monotonic() + BEAT_SECONDS
+                waiters: list[asyncio.Future[Any]] = [channel.next_arrival(), acks]
+                left = max(0.0, beat - time.monotonic())
+                await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            hung_up.cancel()
+            acks.cancel()
+
+    @staticmethod
+    async def _acks(subscribe: Subscribe, channel: RunChannel, reader: asyncio.StreamReader) -> None:
+        """Until the reader hangs up: file each place it acknowledges under its name."""
+        while line := await reader.readline():
+            ack = Ack.model_validate_json(line)
+            if subscribe.reader is not None:
+                channel.ack(subscribe.reader, ack.seq)
+
+
+def _wanted(subscribe: Subscribe, record: Record) -> bool:
+    """The kinds it asked for; of a generation's records, none of an older one (no news to it)."""
+    message = record.message
+    if subscribe.only is not None and message.t not in subscribe.only:
+        return False
+    generation = getattr(message, "generation", None)
+    return subscribe.generation is None or generation is None or generation >= subscribe.generation
+
+
+def _encode(subscribe: Subscribe, record: Record) -> bytes:
+    if subscribe.packed_ranks is not None and isinstance(record.message, NodeSteps):
+        return FRAME_MARK + pack_steps(record.seq, record.message, subscribe.packed_ranks)
+    return record.model_dump_json().encode() + b"\n"

@@ -1,14 +1,16 @@
-"""Activities on one node's task queue (`node.<id>`): everything the workflow does to ranks on a host.
+"""What a node agent does for the supervisor: start, command, inspect and stop the ranks on its host,
+and run its self-test. Each request (core.control) arrives at the hub and is answered by `answer`.
 
-The node agent owns the rank processes, not any one activity: `run_ranks` starts a generation and
-reports its first decisive event, and the ranks outlive that activity until the workflow stops
-them (or the agent dies, and its ranks with it).
+The agent owns the rank processes, not any request: ranks outlive the launch that started them until
+the next launch, a release or the agent's own death stops them. When it reaps one, it files how the
+rank ended (RankExited, with the end of its log) in the run's channel, where the run monitor reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -18,36 +20,33 @@ from pathlib import Path
 
 import structlog
 import torch.distributed as dist
-from pydantic import BaseModel
-from temporalio import activity
 
 from agent.gpu import GpuTelemetry
 from agent.hub import NodeHub
 from agent.processes import RankProcess, start_rank, stop_ranks
+from agent.selftest import SelfTest
 from agent.standby import StandbyPool
-from core.events import NodeOutcome, RankFailed, RanksFinished
+from core.control import (
+    AgentAnswer,
+    AgentRequest,
+    DumpStacks,
+    Prepare,
+    Prepared,
+    Released,
+    ReleaseRun,
+    RunSelfTest,
+    SelfTested,
+    SendCommand,
+    Sent,
+    StackDump,
+    Started,
+    StartRanks,
+)
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
-from core.launch import Endpoint, NodeEndpoint, NodeLaunch, rank_env
-from core.telemetry import Command, GpuReport, RankExited, Rejoin
+from core.launch import Endpoint, NodeLaunch, rank_env
+from core.telemetry import GpuReport, RankExited, Rejoin
 
 log = structlog.get_logger()
-
-
-class PrepareNode(BaseModel):
-    run_id: str
-    generation: int
-    host_rendezvous: bool
-
-
-class NodeCommand(BaseModel):
-    run_id: str
-    command: Command
-
-
-class NodeStacks(BaseModel):
-    node: str
-    stacks: dict[int, str]  # rank → its newest dump
-    files: dict[int, str]  # rank → the file that keeps every dump (the artifact)
 
 
 def _grew(path: Path, size: int) -> bool:
@@ -65,85 +64,81 @@ def resolve_argv(argv: list[str]) -> list[str]:
     return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
 
 
-class NodeActivities:
+class NodeAgent:
     def __init__(self, node: str, hub: NodeHub, state_dir: Path, standby: StandbyPool | None = None) -> None:
         self.node = node
-        self.standby = standby  # warm processes that fresh ranks start in (activities/standby.py)
+        self.standby = standby  # warm processes that fresh ranks start in (agent/standby.py)
         self.hub = hub
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
         self.stores: dict[str, dist.TCPStore] = {}
         self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
+        self._starting = asyncio.Lock()  # one launch at a time: a retried one must find the first's ranks
+        hub.answer = self.answer
 
-    @activity.defn
-    async def prepare_node(self, request: PrepareNode) -> NodeEndpoint:
-        """Say where this node's agent listens; open a fresh rendezvous store if this node hosts it."""
+    async def answer(self, request: AgentRequest) -> AgentAnswer:
+        if isinstance(request, Prepare):
+            return self.prepare(request)
+        if isinstance(request, StartRanks):
+            return await self.start(request.launch)
+        if isinstance(request, SendCommand):
+            return Sent(reached=await self.hub.command(request.run_id, request.command))
+        if isinstance(request, DumpStacks):
+            return await self.dump_stacks(request.run_id)
+        if isinstance(request, ReleaseRun):
+            return Released(stopped=await self.release(request.run_id))
+        return await self.self_test(request)
+
+    def prepare(self, request: Prepare) -> Prepared:
+        """Say this agent is here; open a fresh rendezvous store if this node hosts the generation's."""
         rendezvous = None
-        if request.host_rendezvous:
+        if request.open_store:
             # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.
             self.stores.pop(request.run_id, None)
             store = dist.TCPStore(self.hub.host, 0, is_master=True, wait_for_workers=False)
             self.stores[request.run_id] = store
             rendezvous = Endpoint(host=self.hub.advertise, port=store.port)
         log.info("generation prepared", run_id=request.run_id, node=self.node, generation=request.generation)
-        return NodeEndpoint(node=self.node, hub=self.hub.endpoint, rendezvous=rendezvous)
+        return Prepared(rendezvous=rendezvous)
 
-    @activity.defn
-    async def run_ranks(self, launch: NodeLaunch) -> NodeOutcome:
-        """Start (or carry over) this node's ranks of one generation, then watch them until one fails or all
-        finish."""
-        self.hardware += [f for f in launch.hardware if f not in self.hardware]
-        ranks = [r for r in self.ranks.get(launch.run_id, []) if r.generation == launch.generation]
-        if not ranks:  # a retried activity (or the next segment of a continued run) finds them running
-            carried = await self._rejoin(launch)
+    async def start(self, launch: NodeLaunch) -> Started:
+        """Start this node's ranks of a generation: survivors of a hold take their new places, the rest
+        start fresh, and whatever else of the run still runs here is stopped. A launch retried after
+        the first got through finds its ranks running and answers with them."""
+        async with self._starting:
+            self.hardware += [f for f in launch.hardware if f not in self.hardware]
+            current = [r for r in self.ranks.get(launch.run_id, []) if r.generation == launch.generation]
+            if current:
+                return Started(pids={r.rank: r.pid for r in current})
+            self.hub.run(launch.run_id).begin(launch.generation, launch.ranks)
+            carried = await self._rejoin(launch) if launch.rejoin else []
             await stop_ranks([r for r in self.ranks.get(launch.run_id, []) if r not in carried])
             self.ranks[launch.run_id] = carried
-            ranks = carried + await self._start(launch)
-        channel = self.hub.run(launch.run_id)
-        reaped: set[int] = set()
-        while True:
-            running = [r.waiter for r in ranks if r.exit_code is None]
-            await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            pids = {r.rank: r.pid for r in ranks if r.exit_code is None}
-            activity.heartbeat({"node": self.node, "pids": pids, "steps": channel.last_step})
-            for r in ranks:
-                if r.exit_code is not None and r.exited_at is not None and r.rank not in reaped:
-                    reaped.add(r.rank)
-                    channel.append(
-                        RankExited(rank=r.rank, generation=r.generation, exit_code=r.exit_code, at=r.exited_at)
-                    )
-            if failed := [r for r in ranks if r.exit_code not in (None, 0)]:
-                first = min(failed, key=lambda r: r.exited_at or 0.0)
-                log.warning(
-                    "rank failed",
-                    run_id=launch.run_id,
-                    node=self.node,
-                    rank=first.rank,
-                    exit_code=first.exit_code,
-                )
-                return RankFailed(
-                    node=self.node,
-                    generation=launch.generation,
-                    rank=first.rank,
-                    exit_code=first.exit_code or 0,
-                    last_step=channel.last_step.get(first.rank),
-                    at=first.exited_at or 0.0,
-                    log_tail=first.log_tail(),
-                )
-            if all(r.exit_code == 0 for r in ranks):
-                last_step = max((channel.last_step.get(r.rank, 0) for r in ranks), default=None)
-                return RanksFinished(node=self.node, generation=launch.generation, last_step=last_step)
+            started = await self._start(launch, skip={r.rank for r in carried})
+            for process in started:
+                process.waiter.add_done_callback(functools.partial(self._reaped, launch.run_id, process))
+            self.ranks[launch.run_id] = carried + started
+            return Started(pids={r.rank: r.pid for r in carried + started}, rejoined=[r.rank for r in carried])
 
-    @activity.defn
-    async def release_run(self, run_id: str) -> int:
+    def _reaped(self, run_id: str, process: RankProcess, _: object = None) -> None:
+        """A rank process ended: file how, how far it got and the end of its log, for the monitor."""
+        channel = self.hub.run(run_id)
+        code = process.exit_code if process.exit_code is not None else -1
+        channel.append(
+            RankExited(
+                rank=process.rank,
+                generation=process.generation,
+                exit_code=code,
+                at=process.exited_at or time.time(),
+                last_step=channel.last_step.get(process.rank),
+                log_tail=process.log_tail() if code else "",
+            )
+        )
+        if code:
+            log.warning("rank failed", run_id=run_id, node=self.node, rank=process.rank, exit_code=code)
+
+    async def release(self, run_id: str) -> int:
         """The run is over here: stop its ranks, close its store, free its host memory. Returns ranks stopped."""
-        return await self._release(run_id)
-
-    async def vacate(self) -> int:
-        """Release every run still here (the node was quarantined, and its self-test needs it idle)."""
-        return sum([await self._release(run_id) for run_id in list(self.ranks)])
-
-    async def _release(self, run_id: str) -> int:
         ranks = self.ranks.pop(run_id, [])
         running = sum(r.exit_code is None for r in ranks)
         await stop_ranks(ranks)
@@ -152,6 +147,16 @@ class NodeActivities:
         shutil.rmtree(self.hub.memory_dir / run_id, ignore_errors=True)
         log.info("run released", run_id=run_id, node=self.node, stopped=running)
         return running
+
+    async def vacate(self) -> int:
+        """Release every run still here (the node was quarantined, and its self-test needs it idle)."""
+        return sum([await self.release(run_id) for run_id in list(self.ranks)])
+
+    async def self_test(self, request: RunSelfTest) -> SelfTested:
+        if request.node != self.node:
+            # A miswired address: a result from here would vouch for the wrong host.
+            raise ValueError(f"self-test for {request.node} reached the agent of {self.node}")
+        return SelfTested(result=await SelfTest(self.node, self.broken, vacate=self.vacate).run())
 
     def broken(self) -> set[str]:
         """The parts of this node's simulated hardware that compute wrong answers (its self-test sees them)."""
@@ -170,14 +175,8 @@ class NodeActivities:
                     self.hub.run(run_id).append(GpuReport(node=self.node, readings=readings, at=time.time()))
             await asyncio.sleep(every)
 
-    @activity.defn
-    async def send_command(self, request: NodeCommand) -> int:
-        return await self.hub.command(request.run_id, request.command)
-
-    @activity.defn
-    async def dump_stacks(self, run_id: str) -> NodeStacks:
-        """Every live rank of the run here dumps its Python stacks (faulthandler, on SIGUSR1): a hung
-        rank is alive, and the one whose stack differs from the rest is the culprit."""
+    async def dump_stacks(self, run_id: str) -> StackDump:
+        """Every live rank of the run here dumps its Python stacks (faulthandler, on SIGUSR1)."""
         alive = [r for r in self.ranks.get(run_id, []) if r.exit_code is None]
         sizes = {r.rank: r.stack_path.stat().st_size if r.stack_path.exists() else 0 for r in alive}
         for r in alive:
@@ -189,7 +188,7 @@ class NodeActivities:
         await asyncio.sleep(0.2)  # let the last frames land
         stacks = {r.rank: _tail(r.stack_path, sizes[r.rank]) for r in alive}
         log.info("stacks dumped", run_id=run_id, node=self.node, ranks=sorted(stacks))
-        return NodeStacks(node=self.node, stacks=stacks, files={r.rank: str(r.stack_path) for r in alive})
+        return StackDump(stacks=stacks)
 
     def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
@@ -202,37 +201,40 @@ class NodeActivities:
         }
 
     async def _rejoin(self, launch: NodeLaunch) -> list[RankProcess]:
-        """Hand each surviving process its place in the new generation; it keeps its memory and pid."""
-        alive = {r.rank: r for r in self.ranks.get(launch.run_id, []) if r.exit_code is None}
+        """Hand each surviving process its place in the new generation, in order (ranks on a node are
+        contiguous before and after a resize); it keeps its memory and pid. A node new to the run has
+        none and starts its ranks fresh (they take rank 0's state); a node that held some and lost one
+        cannot rejoin: the run restarts from the held checkpoint instead."""
+        held = self.ranks.get(launch.run_id, [])
+        alive = sorted((r for r in held if r.exit_code is None), key=lambda r: r.rank)
+        if held and len(alive) != len(launch.ranks):
+            raise ValueError(f"{len(launch.ranks) - len(alive)} held rank processes are gone: restart them instead")
         carried = []
-        for local_rank, rank in enumerate(launch.ranks):
-            if rank in launch.adopt and (process := alive.get(launch.adopt[rank])) is not None:
-                await self.hub.send(launch.run_id, process.rank, Rejoin(env=self._env(launch, local_rank)))
-                process.rank, process.generation = rank, launch.generation
-                carried.append(process)
+        for local_rank, (rank, process) in enumerate(zip(launch.ranks, alive, strict=False)):
+            await self.hub.send(launch.run_id, process.rank, Rejoin(env=self._env(launch, local_rank)))
+            process.rank, process.generation = rank, launch.generation
+            carried.append(process)
         if carried:
             log.info("ranks rejoined", run_id=launch.run_id, node=self.node, ranks=[r.rank for r in carried])
         return carried
 
-    async def _start(self, launch: NodeLaunch) -> list[RankProcess]:
+    async def _start(self, launch: NodeLaunch, skip: set[int]) -> list[RankProcess]:
         argv = resolve_argv(launch.entrypoint)
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
         ranks = []
         for local_rank, rank in enumerate(launch.ranks):
-            if rank in launch.adopt:
+            if rank in skip:
                 continue
             env, log_path = self._env(launch, local_rank), run_dir / f"rank-{rank}.log"
             warm = await self.standby.take(rank, launch.generation, argv, env, log_path) if self.standby else None
             ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path))
-        if not ranks:
-            return ranks
-        self.ranks[launch.run_id] += ranks
-        log.info(
-            "ranks started",
-            run_id=launch.run_id,
-            node=self.node,
-            generation=launch.generation,
-            ranks=launch.ranks,
-            pids=[r.pid for r in ranks],
-        )
+        if ranks:
+            log.info(
+                "ranks started",
+                run_id=launch.run_id,
+                node=self.node,
+                generation=launch.generation,
+                ranks=[r.rank for r in ranks],
+                pids=[r.pid for r in ranks],
+            )
         return ranks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from core.run import CheckpointRecord
 
 # Parameters move slowly between two checkpoints; a jump past this factor is corruption that digests
@@ -23,3 +25,12 @@ def norm_problem(norm: float, history: list[CheckpointRecord]) -> str | None:
         f"parameter norm {norm:.4g} is {ratio:.3g}× that of step {previous.step} ({previous.param_norm:.4g}), "
         f"outside the band ×{NORM_BAND:g}"
     )
+
+
+class ChooseInput(BaseModel):
+    run_id: str
+    root: str
+    directory: str  # the run's checkpoint directory
+    generation: int  # the generation about to start
+    known: list[str]  # names (step-…-g…) of the checkpoints the workflow has already judged
+    reference: CheckpointRecord | None

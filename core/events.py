@@ -1,5 +1,6 @@
-"""Typed events that activities complete with, or the run monitor signals, when the workflow has a
-decision to make."""
+"""What the run monitor tells its workflow, by signal, when the workflow has a decision to make: how
+a generation ended (a rank failed, a node fell silent, every rank finished or holds), what the
+detectors found, and each checkpoint's verdict."""
 
 from __future__ import annotations
 
@@ -9,46 +10,12 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, Field
 
 from core.diagnosis import Verdict
-from core.launch import NodeEndpoint
 from core.run import CheckpointRecord, Progress
 from core.telemetry import Anomaly, SdcCheck
-
-
-class RanksFinished(BaseModel):
-    kind: Literal["finished"] = "finished"
-    node: str
-    generation: int
-    last_step: int | None
-
 
 # What a rank prints when a collective failed because a peer went away: it died of someone else's
 # failure, so it is a witness, not the culprit.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe", "Socket Timeout")
-
-
-class RankFailed(BaseModel):
-    kind: Literal["rank_failed"] = "rank_failed"
-    node: str
-    generation: int
-    rank: int
-    exit_code: int
-    last_step: int | None
-    at: float
-    log_tail: str = ""
-
-    @property
-    def peer_lost(self) -> bool:
-        return any(marker in self.log_tail for marker in _PEER_LOST)
-
-
-class NodeLost(BaseModel):
-    """The node's agent stopped answering (dead host, partition, killed agent): a heartbeat timeout."""
-
-    node: str
-    detail: str
-
-
-NodeOutcome = Annotated[Union[RanksFinished, RankFailed], Field(discriminator="kind")]  # noqa: UP007
 
 
 class KeeperInput(BaseModel):
@@ -56,7 +23,6 @@ class KeeperInput(BaseModel):
     what retention (core/retention.py) no longer needs."""
 
     root: str
-    after: dict[str, int] = {}  # per node: the last `committed` record already judged
     checkpoints: list[CheckpointRecord]  # the run's records not yet deleted, as the workflow has them
     verified_step: int = 0  # the SDC watermark
     started_at: datetime  # retention's six-hour milestones count from the run's start
@@ -65,13 +31,17 @@ class KeeperInput(BaseModel):
 
 
 class MonitorInput(BaseModel):
+    """One generation, as the run monitor watches it. Where the monitor is in each node's stream is
+    not here: every node agent keeps its readers' places (core.telemetry.Subscribe)."""
+
     run_id: str
     generation: int
-    world_size: int
-    endpoints: list[NodeEndpoint]
+    nodes: list[str]  # the group, in rank order
+    ranks_per_node: int
+    hooks: bool = True  # False: a plain script, with no telemetry: only exits and silent nodes
     resume_step: int = 0
     await_first_step: bool = False
-    after: dict[str, int] = {}  # per node: the last record already consumed
+    node_silence: float = 15.0  # a node agent silent this long is gone (HealthSpec.node_heartbeat_timeout)
     # Detection: the progress watchdog, the straggler checks, and what is already known (not re-reported).
     step_timeout: float | None = None  # None: auto, 3 × p99 of step times with a floor
     straggler_sigma: float = 3.0
@@ -83,6 +53,10 @@ class MonitorInput(BaseModel):
     tally_s: float = 30.0  # how often a known straggler's or slowdown's cost is reported (SlownessTally)
     keeper: KeeperInput | None = None  # judge the generation's checkpoints too
 
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.ranks_per_node
+
 
 class FirstStep(BaseModel):
     kind: Literal["first_step"] = "first_step"
@@ -90,7 +64,6 @@ class FirstStep(BaseModel):
     at: float
     restored_from: Literal["memory", "storage"] | None = None
     progress: Progress
-    after: dict[str, int]
 
 
 class Hang(BaseModel):
@@ -102,7 +75,6 @@ class Hang(BaseModel):
     timeout_s: float
     at: float
     progress: Progress
-    after: dict[str, int]
 
 
 class StragglerFound(BaseModel):
@@ -117,7 +89,6 @@ class StragglerFound(BaseModel):
     verdict: Verdict | None  # None: no GPU telemetry from the node yet
     rack: str | None = None  # from the node's GPU telemetry
     progress: Progress
-    after: dict[str, int]
 
 
 class SlowdownFound(BaseModel):
@@ -130,7 +101,6 @@ class SlowdownFound(BaseModel):
     baseline_median: float
     verdicts: dict[str, Verdict]  # per node of the run
     progress: Progress
-    after: dict[str, int]
 
 
 class HealthyWindows(BaseModel):
@@ -139,7 +109,6 @@ class HealthyWindows(BaseModel):
     kind: Literal["healthy"] = "healthy"
     medians: list[float]
     progress: Progress
-    after: dict[str, int]
 
 
 class SlownessTally(BaseModel):
@@ -149,7 +118,6 @@ class SlownessTally(BaseModel):
 
     kind: Literal["tally"] = "tally"
     progress: Progress
-    after: dict[str, int]
 
 
 class SdcDetected(BaseModel):
@@ -158,7 +126,6 @@ class SdcDetected(BaseModel):
     kind: Literal["sdc"] = "sdc"
     check: SdcCheck
     progress: Progress
-    after: dict[str, int]
 
 
 class AnomalyFound(BaseModel):
@@ -167,12 +134,81 @@ class AnomalyFound(BaseModel):
     kind: Literal["anomaly"] = "anomaly"
     anomaly: Anomaly
     progress: Progress
-    after: dict[str, int]
+
+
+class RankFailed(BaseModel):
+    """A rank of the generation exited with an error (its node agent reaped it). When it died of a
+    lost peer, the monitor first waits for the rank or node that actually failed."""
+
+    kind: Literal["rank_failed"] = "rank_failed"
+    node: str
+    generation: int
+    rank: int
+    exit_code: int
+    last_step: int | None
+    at: float
+    log_tail: str = ""
+    progress: Progress
+
+    @property
+    def peer_lost(self) -> bool:
+        return any(marker in self.log_tail for marker in _PEER_LOST)
+
+
+class NodeLost(BaseModel):
+    """A node agent fell silent (dead host, partition, killed agent), or never answered a launch."""
+
+    kind: Literal["node_lost"] = "node_lost"
+    node: str
+    detail: str
+    progress: Progress = Progress()
+
+
+class RanksFinished(BaseModel):
+    """Every rank of the generation exited cleanly."""
+
+    kind: Literal["finished"] = "finished"
+    generation: int
+    last_step: int | None
+    progress: Progress
+
+
+# The signal that carries a CheckpointJudged from the run monitor's keeper to its RunWorkflow.
+CHECKPOINT_JUDGED = "checkpoint_judged"
+
+
+class CheckpointJudged(BaseModel):
+    """A checkpoint the generation committed, with the keeper's verdict, and what retention deleted."""
+
+    generation: int
+    checkpoint: CheckpointRecord
+    deleted: list[str]  # checkpoint directories retention dropped
+
+
+class AllHeld(BaseModel):
+    """Every rank finished the same step, checkpointed it, and holds, touching no collective. The
+    monitor ends with it once the keeper has judged that checkpoint, and carries the verdict."""
+
+    kind: Literal["held"] = "held"
+    step: int
+    judged: CheckpointJudged | None
+    progress: Progress
 
 
 MonitorEvent = Annotated[
     Union[  # noqa: UP007
-        FirstStep, Hang, StragglerFound, SlowdownFound, HealthyWindows, SlownessTally, SdcDetected, AnomalyFound
+        FirstStep,
+        Hang,
+        StragglerFound,
+        SlowdownFound,
+        HealthyWindows,
+        SlownessTally,
+        SdcDetected,
+        AnomalyFound,
+        RankFailed,
+        NodeLost,
+        RanksFinished,
+        AllHeld,
     ],
     Field(discriminator="kind"),
 ]
@@ -186,16 +222,3 @@ class MonitorReport(BaseModel):
 
     generation: int
     event: MonitorEvent
-
-
-# The signal that carries a CheckpointJudged from the run monitor's keeper to its RunWorkflow.
-CHECKPOINT_JUDGED = "checkpoint_judged"
-
-
-class CheckpointJudged(BaseModel):
-    """A checkpoint the generation committed, with the keeper's verdict, and what retention deleted."""
-
-    generation: int
-    checkpoint: CheckpointRecord
-    after: dict[str, int]  # the keeper's cursor once it had judged this one
-    deleted: list[str]  # checkpoint directories retention dropped

@@ -1,12 +1,12 @@
 """How a generation of ranks is laid out on nodes, and the environment each rank starts with.
 
 Ranks get exactly the environment torchrun gives its workers (so any torchrun script runs
-unchanged), plus `STAYALIVE_*` variables that `training.supervision` reads.
+unchanged), plus `STAYALIVE_*` variables that `training.supervision` reads. A generation is described
+once (`Launch`: the group's nodes in rank order and what every rank shares); each node agent gets
+only its own part of it (`NodeLaunch`), so nothing a launch sends grows with the square of the width.
 """
 
 from __future__ import annotations
-
-import json
 
 from pydantic import BaseModel
 
@@ -27,16 +27,53 @@ class Endpoint(BaseModel):
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @classmethod
+    def parse(cls, address: str) -> Endpoint:
+        host, port = address.rsplit(":", 1)
+        return cls(host=host, port=int(port))
 
-class NodeEndpoint(BaseModel):
-    """What a node agent tells the workflow when it joins a run."""
 
-    node: str
-    hub: Endpoint
-    rendezvous: Endpoint | None = None  # only on the node that hosts the generation's store
+class Launch(BaseModel):
+    """One generation, as the workflow decides it: the supervisor's `launch` activity sends each node
+    its part. The group is `nodes` in rank order: node i runs ranks i·R … i·R + R − 1; the first
+    node's agent hosts the generation's fresh rendezvous store."""
+
+    run_id: str
+    generation: int
+    nodes: list[str]
+    ranks_per_node: int
+    entrypoint: list[str]
+    env: dict[str, str]  # the same for every rank of the generation (the spec's env and STAYALIVE_*)
+    # After a hold the survivors keep their processes: on each node the live ranks of the last
+    # generation take this generation's ranks in order; only the ranks nobody holds start fresh.
+    rejoin: bool = False
+    # The run's simulated hardware (fault plan: `broken_node`, GPU telemetry faults); each agent keeps
+    # what concerns its node for the rest of its life, as real hardware would stay broken.
+    hardware: list[HardwareFault] = []
+    answer_within: float  # seconds an agent has to answer before its node counts as lost
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.ranks_per_node
+
+    def ranks_of(self, index: int) -> list[int]:
+        return list(range(index * self.ranks_per_node, (index + 1) * self.ranks_per_node))
+
+    def origin(self) -> str:
+        """Where the generation's state comes from, for a person reading the history."""
+        if self.rejoin:
+            return "survivors rejoin in place" + (", newcomers take rank 0's state" if self.state_from_rank0 else "")
+        resume = self.env.get("STAYALIVE_RESUME_FROM")
+        return f"from checkpoint {resume.rstrip('/').rsplit('/', 1)[-1]}" if resume else "from scratch"
+
+    @property
+    def state_from_rank0(self) -> bool:
+        return self.env.get("STAYALIVE_STATE_FROM_RANK0") == "1"
 
 
 class NodeLaunch(BaseModel):
+    """One node's part of a Launch: what its agent needs to start (or rejoin) its ranks."""
+
     run_id: str
     node: str
     generation: int
@@ -45,35 +82,59 @@ class NodeLaunch(BaseModel):
     rendezvous: Endpoint
     entrypoint: list[str]
     env: dict[str, str]
-    # Survivors of a hold: new rank → the rank the process had. They rejoin in place; every other
-    # rank of `ranks` is started fresh.
-    adopt: dict[int, int] = {}
-    # The run's simulated hardware (fault plan: `broken_node`, GPU telemetry faults); the agent keeps
-    # what concerns its node for the rest of its life, as real hardware would stay broken.
+    rejoin: bool = False
     hardware: list[HardwareFault] = []
+
+    @classmethod
+    def of(cls, launch: Launch, index: int, rendezvous: Endpoint) -> NodeLaunch:
+        return cls(
+            run_id=launch.run_id,
+            node=launch.nodes[index],
+            generation=launch.generation,
+            ranks=launch.ranks_of(index),
+            world_size=launch.world_size,
+            rendezvous=rendezvous,
+            entrypoint=launch.entrypoint,
+            env=launch.env,
+            rejoin=launch.rejoin,
+            hardware=launch.hardware,
+        )
+
+
+class Launched(BaseModel):
+    """What the `launch` activity reports: the generation started on every node, or the nodes whose
+    agents did not answer in time (then nothing was started, or what was started waits in vain for
+    them and is stopped by the next launch)."""
+
+    rendezvous: str | None = None
+    unreachable: dict[str, str] = {}  # node → why, e.g. "no answer within 15s"
+
+    @property
+    def started(self) -> bool:
+        return not self.unreachable
 
 
 class Membership(BaseModel):
-    """The next generation's nodes after a node leaves, and which live processes carry over."""
+    """The next generation's nodes after a hold: the survivors keep their processes (and memory),
+    newcomers start fresh and take their state from rank 0."""
 
     nodes: list[str]
-    adopt: dict[str, dict[int, int]]  # node → {new rank: old rank}
-    newcomers: list[str]  # nodes whose ranks start fresh and take their state from rank 0
+    newcomers: list[str] = []
 
 
-def without_node(nodes: list[str], drop: str, spare: str | None, ranks_per_node: int) -> Membership:
+def without_node(nodes: list[str], drop: str | None, spare: str | None) -> Membership:
     """A spare takes `drop`'s place (every rank keeps its id); without one the group shrinks and the
     survivors are renumbered in node order."""
-    before = assign_ranks(nodes, ranks_per_node)
-    after_nodes = [spare if n == drop else n for n in nodes] if spare else [n for n in nodes if n != drop]
-    after = assign_ranks(after_nodes, ranks_per_node)
-    adopt = {n: dict(zip(after[n], before[n], strict=True)) for n in after_nodes if n in before}
-    return Membership(nodes=after_nodes, adopt=adopt, newcomers=[spare] if spare else [])
+    if drop is None:
+        return Membership(nodes=list(nodes))
+    after = [spare if n == drop else n for n in nodes] if spare else [n for n in nodes if n != drop]
+    return Membership(nodes=after, newcomers=[spare] if spare else [])
 
 
-def node_queue(node: str) -> str:
-    """Each node agent's own task queue: work for a host goes to that host (and times out if it is gone)."""
-    return f"node.{node}"
+def node_of(nodes: list[str], ranks_per_node: int, rank: int) -> str | None:
+    """The node that runs `rank` (contiguous ranks per node, in node order)."""
+    index = rank // ranks_per_node
+    return nodes[index] if rank >= 0 and index < len(nodes) else None
 
 
 def assign_ranks(nodes: list[str], ranks_per_node: int) -> dict[str, list[int]]:
@@ -88,11 +149,9 @@ def supervision_env(
     generation: int,
     resume_from: str | None,
     checkpoint_seconds: float | None,
-    endpoints: list[NodeEndpoint],
 ) -> dict[str, str]:
-    """The STAYALIVE_* variables of one generation (the node agent adds its own address)."""
+    """The STAYALIVE_* variables of one generation (each node agent adds its own address)."""
     env = {
-        "STAYALIVE_HUBS": json.dumps([str(e.hub) for e in endpoints]),
         "STAYALIVE_RUN_ID": run_id,
         "STAYALIVE_GENERATION": str(generation),
         "STAYALIVE_TARGET_STEP": str(spec.target_step or 0),

@@ -8,7 +8,7 @@ nothing and count towards no rule.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -127,3 +127,41 @@ def environmental(ratio: float, evidence: str) -> Classification:
         evidence=f"every rank {ratio:.2f}× slower than healthy runs; {evidence}",
         action="page facilities (cooling, power): evicting nodes would only move the symptom",
     )
+
+
+class Page(BaseModel):
+    run_id: str
+    at: datetime
+    paging: PagingClass
+    rule: str
+    summary: str  # what happened, in one line
+    evidence: str
+    action: str  # what a person should do
+    webhook_url: str | None = None
+    jsonl_path: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        run_id: str,
+        at: datetime,
+        classification: Classification,
+        summary: str,
+        webhook_url: str | None = None,
+        jsonl_path: str | None = None,
+    ) -> Page:
+        return cls(
+            run_id=run_id,
+            at=at,
+            paging=classification.paging,
+            rule=classification.rule,
+            summary=summary,
+            evidence=classification.evidence,
+            action=classification.action,
+            webhook_url=webhook_url,
+            jsonl_path=jsonl_path,
+        )
+
+    def record(self) -> dict[str, object]:
+        """What every sink receives: the page without where it is going."""
+        return self.model_dump(mode="json", exclude={"webhook_url", "jsonl_path"})

@@ -11,29 +11,11 @@ from pydantic import BaseModel, Field
 from core.escalation import Escalation
 from core.eviction import Eviction
 from core.goodput import Ledger
-from core.launch import Membership, NodeEndpoint
+from core.launch import Membership, node_of
+from core.lifecycle import RunState
 from core.paging import Classification
 from core.spec import RunSpec
 from core.telemetry import SdcCheck
-
-
-class RunState(StrEnum):
-    PENDING = "PENDING"
-    LAUNCHING = "LAUNCHING"
-    RUNNING = "RUNNING"
-    CHECKPOINTING = "CHECKPOINTING"
-    DIAGNOSING = "DIAGNOSING"
-    DRAINING = "DRAINING"
-    RESIZING = "RESIZING"
-    RESUMING = "RESUMING"
-    STOPPED = "STOPPED"  # needs a human: paused, a deterministic failure, or too few nodes to go on
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED)
 
 
 class Cause(StrEnum):
@@ -145,11 +127,8 @@ class RunStatus(BaseModel):
     first_step_at: datetime | None = None
     finished_at: datetime | None = None
     progress: Progress = Progress()
-    telemetry_cursor: dict[str, int] = {}  # the run monitor's, per node
-    checkpoint_cursor: dict[str, int] = {}  # the checkpoint keeper's, per node
     nodes: list[str] = []  # the current group's nodes, in rank order
     spares_used: list[str] = []
-    endpoints: list[NodeEndpoint] = []  # the current generation's node agents
     # Set when the next generation keeps the survivors' processes (after a hold); None: fresh ranks.
     membership: Membership | None = None
     # Set before continue-as-new in the middle of a generation: the next segment re-attaches to the
@@ -173,6 +152,9 @@ class RunStatus(BaseModel):
     @property
     def world_size(self) -> int:
         return len(self.nodes) * self.spec.ranks_per_node
+
+    def node_of(self, rank: int) -> str | None:
+        return node_of(self.nodes, self.spec.ranks_per_node, rank)
 
     def known_stragglers(self) -> list[int]:
         """The ranks this generation already found slow (a resize renumbers ranks, so only its own count)."""

@@ -1,141 +1,137 @@
 """The simulated cluster: what the simulated activities (sim/activities.py) answer from. Plain Python,
-in memory, on one event loop; no Temporal, no processes, no files.
+in memory, on one event loop; no Temporal, no processes, no files, and nothing per rank: a run of
+2,048 nodes × 8 ranks costs what a run of 2 costs.
 
-A generation is planned when its ranks are launched, from the launch itself, the way a rank reads
-it: it resumes from the checkpoint the launch names, checkpoints as often as the launch asks, and
-ends where the failure schedule says (a rank crashes) or at the target step. Step `s` completes at
-`first_step_at + (s - resume - 1) * step_seconds`, on the cluster's clock.
-
-The simulation stays in lockstep with the workflow: a generation reports its end only once the
-workflow has its first step and every checkpoint it committed, which the simulated monitor knows
-when the workflow run accepted its signal (a signal in history comes before the crash report that
-follows it, and a verdict signalled as a run continues-as-new is carried to the next one). So the
-timeline the workflow records is exactly the one the schedule describes, however the activities
-interleave.
+A generation is planned when it is launched, from the launch itself, the way a rank reads it: it
+resumes from the checkpoint the launch names (or, rejoining after a hold, from the held step),
+checkpoints as often as the launch asks, and ends where the failure schedule says or at the target
+step. Step `s` completes at `first_step_at + (s - resume - 1) * step_seconds` on the cluster's clock.
+What people ask along the way (a hold, a forced checkpoint) moves the plan: a command lands at the
+next step boundary, as the ranks' vote makes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
-from core.events import RankFailed, RanksFinished
-from core.fleet import EvictionOutcome, Quarantine
-from core.fleet_requests import Grant
-from core.launch import NodeLaunch
-from core.run import CheckpointRecord, Progress
-from training.checkpoint import checkpoint_dirname, parse_checkpoint_dirname
-from training.supervision import SupervisionConfig
+from core.launch import Launch
+from training.checkpoint import parse_checkpoint_dirname
 
-# The key of the checkpoint cursor: the sequence number of the last checkpoint the workflow has.
-CURSOR = "sim"
+FaultKind = Literal["crash", "node_lost", "hang", "sdc", "straggler", "slowdown"]
+# What ends a generation; a straggler or a slowdown is reported and the generation goes on.
+ENDING: frozenset[str] = frozenset({"crash", "node_lost", "hang", "sdc"})
 
 
 @dataclass(frozen=True)
-class RankCrash:
-    """A rank's process exits `after_steps` steps past its generation's resume step."""
+class Fault:
+    """What happens to a generation `after_steps` past its resume step. `rank` (modulo the world size)
+    picks the rank, and its node, that fails or straggles; `ratio` is how slow."""
 
-    rank: int
+    kind: FaultKind
     after_steps: int
+    rank: int = 0
+    ratio: float = 2.0
     exit_code: int = 137
 
 
 @dataclass(frozen=True)
 class FailureSchedule:
-    """Which generations lose a rank, and where. Every generation not listed runs to the target step."""
+    """The faults each generation meets, in order. A generation with no ending fault runs to the
+    target step (or until a hold). `step_seconds` slows chosen generations down: long enough for a
+    person (a test) to act on them while they run."""
 
-    crashes: Mapping[int, RankCrash] = field(default_factory=dict)
+    faults: Mapping[int, Sequence[Fault]] = field(default_factory=dict)
+    step_seconds: Mapping[int, float] = field(default_factory=dict)
 
     @classmethod
     def crash_every_generation(cls, count: int, after_steps: int, world_size: int) -> FailureSchedule:
         """Generations 0 … count-1 each lose one rank `after_steps` past their resume step (ranks 0, 1,
         2 … in turn, so every node position fails); generation `count` finishes the run."""
-        return cls({g: RankCrash(rank=g % world_size, after_steps=after_steps) for g in range(count)})
+        return cls({g: [Fault("crash", after_steps, rank=g % world_size)] for g in range(count)})
 
-    def crash_in(self, generation: int) -> RankCrash | None:
-        return self.crashes.get(generation)
+    def of(self, generation: int) -> Sequence[Fault]:
+        return self.faults.get(generation, ())
 
 
 @dataclass
 class SimulatedGeneration:
-    run_id: str
-    number: int
+    launch: Launch
     directory: str  # the run's checkpoint directory
     resume_step: int
-    last_step: int  # the last step it completes
-    crash: RankCrash | None  # None: it finishes, and `last_step` is the target
-    checkpoints: dict[int, int]  # cursor sequence number → step, in the order they commit
+    target: int
+    faults: Sequence[Fault]
+    every: int  # checkpoint every this many steps (0: never)
     first_step_at: float
     step_seconds: float
     blocking_seconds: float
-    first_step_taken: bool = False  # the workflow has recorded the first step
+    hold_step: int | None = None  # the step every rank holds at, once a hold command landed
+    forced: set[int] = field(default_factory=set)  # steps checkpointed because a person asked
+    commands: int = 0  # rebalance commands received (each earns the straggler ladder another tally)
+    reported: set[str] = field(default_factory=set)  # what a monitor already signalled (a new one skips it)
+
+    @property
+    def number(self) -> int:
+        return self.launch.generation
 
     def at(self, step: int) -> float:
         """When `step` completes."""
         return self.first_step_at + (step - self.resume_step - 1) * self.step_seconds
 
+    def step_at(self, now: float) -> int:
+        """The newest step completed by `now`."""
+        done = int((now - self.first_step_at) / self.step_seconds) + 1 if now >= self.first_step_at else 0
+        return min(self.resume_step + max(0, done), self.last_step)
+
+    def fault_step(self, fault: Fault) -> int:
+        return self.resume_step + fault.after_steps
+
     @property
-    def ends_at(self) -> float:
-        return self.at(self.last_step)
+    def ending(self) -> Fault | None:
+        """The fault that ends this generation, if it comes before the target and any hold."""
+        last = self.target if self.hold_step is None else self.hold_step
+        return next((f for f in self.faults if f.kind in ENDING and self.fault_step(f) < last), None)
+
+    @property
+    def last_step(self) -> int:
+        """The last step the generation completes."""
+        if (fault := self.ending) is not None:
+            return self.fault_step(fault)
+        return self.target if self.hold_step is None else self.hold_step
+
+    def checkpoint_steps(self) -> list[int]:
+        """Every checkpoint the generation commits, in order. A rank dies before its step's
+        checkpoint commits; ranks checkpoint the target step and a held step before they stop."""
+        last = self.last_step
+        regular = range((self.resume_step // self.every + 1) * self.every, last + 1, self.every) if self.every else []
+        steps = {*regular, *(s for s in self.forced if s <= last)}
+        if self.ending is not None:
+            steps.discard(last)
+        else:
+            steps.add(last)
+        return sorted(s for s in steps if s > self.resume_step)
 
     def committed_at(self, step: int) -> float:
         return self.at(step) + self.blocking_seconds
 
-    def checkpoint_after(self, cursor: int) -> tuple[int, int] | None:
-        """The first checkpoint of this generation the workflow has not recorded: (sequence, step)."""
-        return next(((seq, step) for seq, step in self.checkpoints.items() if seq > cursor), None)
-
-    def checkpoint(self, step: int) -> CheckpointRecord:
-        return CheckpointRecord(
-            step=step,
-            path=f"{self.directory}/{checkpoint_dirname(step, self.number)}",
-            generation=self.number,
-            blocking_seconds=self.blocking_seconds,
-            written_at=datetime.fromtimestamp(self.committed_at(step), UTC),
-            validated=True,
-            reason="simulated: every checkpoint is valid",
-        )
-
-    def first_step(self) -> Progress:
-        return Progress(
-            step=self.resume_step + 1,
-            steps_per_second=1 / self.step_seconds,
-            step_seconds_p50=self.step_seconds,
-            step_seconds_max=self.step_seconds,
-            at=self.first_step_at,
-        )
-
-    def outcome(self, node: str, ranks: list[int]) -> RankFailed | RanksFinished | None:
-        """What `node`'s agent reports at the end. None: its ranks outlive the generation (another node's
-        rank crashed, and the workflow stops watching them)."""
-        if self.crash is None:
-            return RanksFinished(node=node, generation=self.number, last_step=self.last_step)
-        if self.crash.rank not in ranks:
-            return None
-        return RankFailed(
-            node=node,
-            generation=self.number,
-            rank=self.crash.rank,
-            exit_code=self.crash.exit_code,
-            last_step=self.last_step,
-            at=self.ends_at,
-            log_tail=f"simulated crash of rank {self.crash.rank} after step {self.last_step}",
-        )
+    def node_of(self, rank: int) -> str:
+        launch = self.launch
+        return launch.nodes[(rank % launch.world_size) // launch.ranks_per_node]
 
 
 @dataclass
 class _Run:
     generations: dict[int, SimulatedGeneration] = field(default_factory=dict)
-    recorded: int = 0  # the sequence number of the last checkpoint the workflow run accepted
-    next_checkpoint: int = 1  # the sequence number of the next checkpoint committed
+    launches: list[float] = field(default_factory=list)  # when each launch reached the cluster
+    endings: list[tuple[float, str]] = field(default_factory=list)  # when each generation's end was reported, and what
 
 
 class SimulatedCluster:
-    """Nodes, the runs on them and their generations. Every change sets `changed` (then replaces it),
-    which is what the simulated activities wait on."""
+    """The runs on the simulated nodes and their generations. Every change sets `changed` (then
+    replaces it), which is what the simulated activities wait on."""
 
     def __init__(
         self,
@@ -150,55 +146,45 @@ class SimulatedCluster:
         # The clock must be the Temporal server's: the workflow subtracts its own times from these.
         # The time-skipping test server keeps real time while any activity is outstanding, and a
         # run always has one, so `time.time` is its clock for a whole run.
+        self.nodes = list(nodes)
         self.schedule = schedule
         self.step_seconds = step_seconds
         self.startup_seconds = startup_seconds
         self.blocking_seconds = checkpoint_blocking_seconds
         self.clock = clock
-        self.nodes = list(nodes)
-        self.holders: dict[str, str | None] = dict.fromkeys(nodes)  # node → the run holding it
-        self.quarantines: list[Quarantine] = []
-        self.suspects: list[tuple[str, str]] = []  # (node, reason), as detectors flagged them
-        self.evictions: list[EvictionOutcome] = []  # what the fleet learned of straggler evictions
-        self.baselines: dict[str, list[float]] = {}  # config digest → healthy window medians
         self.changed = asyncio.Event()
+        self.marks: list[tuple[float, str]] = []  # (when, what) of every interruption and finding reported
         self._runs: dict[str, _Run] = {}
 
-    # -- ranks -----------------------------------------------------------------------------------
-
-    def launch(self, launch: NodeLaunch) -> SimulatedGeneration:
-        """Plan the generation `launch` starts; every other node of it (and a re-attach after
-        continue-as-new) gets the same plan."""
+    def launch(self, launch: Launch) -> SimulatedGeneration:
+        """Plan the generation `launch` starts (a retried launch gets the same plan)."""
         run = self._runs.setdefault(launch.run_id, _Run())
         if (planned := run.generations.get(launch.generation)) is not None:
             return planned
-        config = SupervisionConfig.from_env(launch.env)
-        resume = parse_checkpoint_dirname(config.resume_from.name)[0] if config.resume_from else 0
-        crash = self.schedule.crash_in(launch.generation)
-        if crash is not None and resume + crash.after_steps < config.target_step:
-            crash, last = replace(crash, rank=crash.rank % launch.world_size), resume + crash.after_steps
+        env = launch.env
+        if launch.rejoin:  # the survivors held at a step of the last generation and go on from it
+            held = run.generations[max(run.generations)].hold_step
+            assert held is not None, "a rejoin follows a hold"
+            resume = held
+        elif resume_from := env.get("STAYALIVE_RESUME_FROM"):
+            resume = parse_checkpoint_dirname(resume_from.rstrip("/").rsplit("/", 1)[-1])[0]
         else:
-            crash, last = None, config.target_step
-        every = config.every_steps or round((config.every_seconds or 0.0) / self.step_seconds)
-        steps = list(range((resume // every + 1) * every, last + 1, every)) if every > 0 else []
-        if crash is not None:
-            steps = [s for s in steps if s < last]  # the checkpoint of the step it dies in never commits
-        elif last not in steps:
-            steps.append(last)  # ranks checkpoint the target step before they exit
-        checkpoints = dict(enumerate(steps, start=run.next_checkpoint))
-        run.next_checkpoint += len(steps)
+            resume = 0
+        every = int(env.get("STAYALIVE_CHECKPOINT_EVERY_STEPS", "0")) or round(
+            float(env.get("STAYALIVE_CHECKPOINT_EVERY_SECONDS", "0")) / self.step_seconds
+        )
         planned = run.generations[launch.generation] = SimulatedGeneration(
-            run_id=launch.run_id,
-            number=launch.generation,
-            directory=str(config.checkpoint_dir),
+            launch=launch,
+            directory=env["STAYALIVE_CHECKPOINT_DIR"],
             resume_step=resume,
-            last_step=last,
-            crash=crash,
-            checkpoints=checkpoints,
+            target=int(env["STAYALIVE_TARGET_STEP"]),
+            faults=self.schedule.of(launch.generation),
+            every=every,
             first_step_at=self.clock() + self.startup_seconds,
-            step_seconds=self.step_seconds,
+            step_seconds=self.schedule.step_seconds.get(launch.generation, self.step_seconds),
             blocking_seconds=self.blocking_seconds,
         )
+        run.launches.append(self.clock())
         self.notify()
         return planned
 
@@ -206,55 +192,48 @@ class SimulatedCluster:
         run = self._runs.get(run_id)
         return run.generations.get(number) if run else None
 
-    def take_first_step(self, generation: SimulatedGeneration) -> None:
-        generation.first_step_taken = True
+    def current(self, run_id: str) -> SimulatedGeneration | None:
+        run = self._runs.get(run_id)
+        return run.generations[max(run.generations)] if run and run.generations else None
+
+    def command(self, run_id: str, kind: str) -> int:
+        """A command reaches the current generation's ranks; they act on it at the next step."""
+        generation = self.current(run_id)
+        if generation is None:
+            return 0
+        next_step = generation.step_at(self.clock()) + 1
+        if kind == "hold" and generation.hold_step is None:
+            generation.hold_step = max(next_step, generation.resume_step + 1)
+        elif kind == "checkpoint":
+            generation.forced.add(next_step)
+        elif kind == "rebalance":
+            generation.commands += 1
         self.notify()
+        return generation.launch.world_size
 
-    def take_checkpoints(self, run_id: str, cursor: int) -> None:
-        """The workflow has every checkpoint up to `cursor`."""
-        run = self._runs.setdefault(run_id, _Run())
-        if cursor > run.recorded:
-            run.recorded = cursor
-            self.notify()
+    def ended(self, run_id: str, what: str) -> None:
+        """A monitor reported how its generation ended (for the time from a failure to the next
+        launch); a failure is also marked as an interruption."""
+        self._runs[run_id].endings.append((self.clock(), what))
+        if what in ("rank_failed", "node_lost", "hang", "sdc"):
+            self.mark(what)
 
-    def caught_up(self, generation: SimulatedGeneration) -> bool:
-        """The workflow has recorded everything the generation reported before its end."""
-        recorded = self._runs[generation.run_id].recorded
-        return generation.first_step_taken and all(seq <= recorded for seq in generation.checkpoints)
+    def mark(self, what: str) -> None:
+        """Something happened that the workflow must deal with: a benchmark counts what each cost."""
+        self.marks.append((self.clock(), what))
 
-    # -- the fleet: quarantined nodes pass their self-test at once and are free again ---------------
-
-    def acquire(self, run_id: str, wanted: list[str]) -> Grant:
-        granted, refused = [], {}
-        for node in wanted:
-            if node not in self.holders:
-                refused[node] = f"{node} is not a node of the simulated cluster"
-            elif self.holders[node] not in (None, run_id):
-                refused[node] = f"{node} is running {self.holders[node]}"
-            else:
-                self.holders[node] = run_id
-                granted.append(node)
-        return Grant(granted=granted, refused=refused)
-
-    def quarantine(self, run_id: str, node: str, reason: str) -> Quarantine:
-        now = datetime.fromtimestamp(self.clock(), UTC)
-        record = Quarantine(node=node, reason=reason, since=now, run_ids_affected=[run_id], released_at=now)
-        self.quarantines.append(record)
-        self.holders[node] = None
-        return record
-
-    def take_spare(self, run_id: str, candidates: list[str]) -> str | None:
-        # As the fleet's: a candidate this run holds was taken by an earlier attempt of the same request.
-        spare = next((n for n in candidates if n in self.holders and self.holders[n] in (None, run_id)), None)
-        if spare is not None:
-            self.holders[spare] = run_id
-        return spare
-
-    def release(self, run_id: str) -> list[str]:
-        released = sorted(n for n, holder in self.holders.items() if holder == run_id)
-        for node in released:
-            self.holders[node] = None
-        return released
+    def relaunch_latencies(
+        self, run_id: str, kinds: tuple[str, ...] = ("rank_failed", "node_lost", "sdc")
+    ) -> list[float]:
+        """Seconds from each failure of these kinds, as the monitor reported it, to the next launch."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return []
+        return [
+            next(t - at for t in run.launches if t >= at)
+            for at, what in run.endings
+            if what in kinds and any(t >= at for t in run.launches)
+        ]
 
     def notify(self) -> None:
         """Wake every wait on the cluster (sim/activities.until)."""

@@ -1,18 +1,24 @@
-"""The workers a simulated run needs, in this process: RunWorkflow and the supervisor's simulated
-activities on `stayalive`, and each simulated node's activities on `node.<id>`."""
+"""The workers a simulated run needs, in this process: RunWorkflow and FleetWorkflow with the real
+fleet and paging activities and the simulated rest, all on `stayalive` (node agents are reached by
+the supervisor's activities, not through queues of their own, so a simulated node costs no worker);
+and the simulated nodes' registration with the real fleet."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from core.launch import node_queue
-from sim.activities import HEARTBEAT_SECONDS, SimulatedNode, SimulatedSupervisor
+from activities.fleet import FleetActivities, FleetClient
+from core.fleet_requests import RegisterNode
+from sim.activities import HEARTBEAT_SECONDS, SimulatedSupervisor
 from sim.cluster import SimulatedCluster
+from workers.supervisor import ensure_fleet
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 # Heartbeats are how a cancel reaches a waiting activity; unthrottled, a cancelled one ends at once
@@ -21,28 +27,30 @@ THROTTLE = timedelta(seconds=HEARTBEAT_SECONDS)
 
 
 @contextlib.asynccontextmanager
-async def simulated_workers(client: Client, cluster: SimulatedCluster) -> AsyncIterator[None]:
-    workers = [
-        Worker(
-            client,
-            task_queue=TASK_QUEUE,
-            workflows=[RunWorkflow],
-            activities=SimulatedSupervisor(cluster).activities(),
-            max_heartbeat_throttle_interval=THROTTLE,
-            default_heartbeat_throttle_interval=THROTTLE,
-        ),
-        *(
-            Worker(
-                client,
-                task_queue=node_queue(node),
-                activities=SimulatedNode(cluster, node).activities(),
-                max_heartbeat_throttle_interval=THROTTLE,
-                default_heartbeat_throttle_interval=THROTTLE,
-            )
-            for node in cluster.nodes
-        ),
-    ]
-    async with contextlib.AsyncExitStack() as stack:
-        for worker in workers:
-            await stack.enter_async_context(worker)
+async def simulated_workers(
+    client: Client, cluster: SimulatedCluster, silent: Callable[[], set[str]] = set
+) -> AsyncIterator[None]:
+    fleet = FleetActivities(client)
+    worker = Worker(
+        client,
+        task_queue=TASK_QUEUE,
+        workflows=[RunWorkflow, FleetWorkflow],
+        activities=[*SimulatedSupervisor(cluster, silent).activities(), *fleet.activities()],
+        max_heartbeat_throttle_interval=THROTTLE,
+        default_heartbeat_throttle_interval=THROTTLE,
+        max_concurrent_activities=500,
+    )
+    async with worker:
         yield
+
+
+async def register(client: Client, nodes: list[str], spares: list[str], racks: int = 16) -> None:
+    """Every simulated node's agent tells the fleet it is up, all at once, as at a cluster's start."""
+    await ensure_fleet(client)
+    fleet = FleetClient(fleet_handle(client))
+    await asyncio.gather(
+        *(
+            fleet.ask(RegisterNode(node=node, rack=f"rack-{i % racks}", spare=node in spares, hub=f"{node}:7000"))
+            for i, node in enumerate([*nodes, *spares])
+        )
+    )

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -15,9 +16,10 @@ import torch
 from temporalio.client import Client, WorkflowHandle
 
 from core.fleet import FleetNode
-from core.run import CheckpointRecord, RunStatus
+from core.launch import Endpoint
+from core.run import CheckpointRecord, RunState, RunStatus
 from core.spec import RunSpec
-from core.telemetry import Record, StepReport, Subscribe
+from core.telemetry import Hello, NodeSteps, Record, StepReport, Subscribe
 from training.checkpoint import load_checkpoint
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
@@ -67,52 +69,80 @@ async def wait_until(
     raise TimeoutError(f"{handle.id}: condition not reached in {timeout}s")
 
 
+async def hubs(client: Client, nodes: list[str]) -> dict[str, str]:
+    """Where each node's agent listens, as it told the fleet."""
+    return await fleet_handle(client).query(FleetWorkflow.hubs, nodes)
+
+
+async def read_records(hub: str, run_id: str, quiet: float = 0.5) -> list[Record]:
+    """Every record a node agent holds for the run, read the way the run monitor reads them, until
+    nothing more comes for `quiet` seconds."""
+    address = Endpoint.parse(hub)
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(Subscribe(run_id=run_id).model_dump_json().encode() + b"\n")
+    await writer.drain()
+    records: list[Record] = []
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(quiet):
+                    line = await reader.readline()
+            except TimeoutError:
+                return records
+            if not line:
+                return records
+            if not line.startswith(b'{"t":"beat"'):
+                records.append(Record.model_validate_json(line))
+    finally:
+        writer.close()
+
+
 async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[int, int]]:
-    """node → {rank: pid}, from the run_ranks heartbeats (what the UI's pending activities show), once
-    every node's has arrived (a node's first heartbeat can trail the run's first steps)."""
+    """node → {rank: pid} of the run's current generation, from the Hello each rank sends its agent
+    when it starts or rejoins under a new rank."""
     deadline = time.monotonic() + 30
     while True:
-        description = await handle.describe()
-        launches = [a for a in description.raw_description.pending_activities if a.activity_type.name == "run_ranks"]
-        if (launches and all(a.heartbeat_details.payloads for a in launches)) or time.monotonic() > deadline:
-            break
+        status = await handle.query(RunWorkflow.status_query)
+        where = await hubs(client, status.nodes)
+        pids: dict[str, dict[int, int]] = {}
+        for node in status.nodes:
+            hellos = [r.message for r in await read_records(where[node], status.run_id, quiet=0.3)]
+            current = [m for m in hellos if isinstance(m, Hello) and m.generation == status.generation]
+            pids[node] = {m.rank: m.pid for m in current}
+        if all(len(p) == status.spec.ranks_per_node for p in pids.values()) or time.monotonic() > deadline:
+            return pids
         await asyncio.sleep(0.2)
-    pids: dict[str, dict[int, int]] = {}
-    for activity in launches:
-        if activity.heartbeat_details.payloads:
-            details = (await client.data_converter.decode(activity.heartbeat_details.payloads))[0]
-            pids[details["node"]] = {int(rank): int(pid) for rank, pid in details["pids"].items()}
-    return pids
 
 
 class RecordCollector:
     """Everything a run's node agents receive, read live the way the run monitor reads it, from every
     node the run uses (a spare joins later). Agents forget a run's records once it is released."""
 
-    def __init__(self, handle: WorkflowHandle) -> None:
+    def __init__(self, client: Client, handle: WorkflowHandle) -> None:
         self.records: list[Record] = []
         self._followed: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._watch = asyncio.create_task(self._watch_endpoints(handle))
+        self._watch = asyncio.create_task(self._watch_nodes(client, handle))
 
-    async def _watch_endpoints(self, handle: WorkflowHandle) -> None:
+    async def _watch_nodes(self, client: Client, handle: WorkflowHandle) -> None:
         while True:
             with contextlib.suppress(Exception):
                 status = await handle.query(RunWorkflow.status_query)
-                for endpoint in status.endpoints:
-                    if endpoint.node not in self._followed:
-                        self._followed.add(endpoint.node)
-                        follow = self._follow(endpoint.hub.host, endpoint.hub.port, status.run_id)
-                        self._tasks.append(asyncio.create_task(follow))
+                for node, hub in (await hubs(client, status.nodes)).items():
+                    if node not in self._followed:
+                        self._followed.add(node)
+                        self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id)))
             await asyncio.sleep(0.2)
 
-    async def _follow(self, host: str, port: int, run_id: str) -> None:
-        reader, writer = await asyncio.open_connection(host, port)
+    async def _follow(self, hub: str, run_id: str) -> None:
+        address = Endpoint.parse(hub)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
         writer.write(Subscribe(run_id=run_id).model_dump_json().encode() + b"\n")
         await writer.drain()
         try:
             while line := await reader.readline():
-                self.records.append(Record.model_validate_json(line))
+                if not line.startswith(b'{"t":"beat"'):
+                    self.records.append(Record.model_validate_json(line))
         finally:
             writer.close()
 
@@ -122,18 +152,43 @@ class RecordCollector:
         return self.records
 
 
+def step_reports(records: list[Record]) -> list[StepReport]:
+    """The ranks' step reports, out of the batches their agents made of them (one per node and step);
+    a rank whose report never came is left out."""
+    return [
+        StepReport(
+            rank=steps.first_rank + i,
+            generation=steps.generation,
+            step=steps.step,
+            compute_s=steps.compute_s[i],
+            step_s=steps.step_s[i],
+            loss=steps.loss[i],
+            samples=samples,
+            at=steps.at,
+        )
+        for record in records
+        if isinstance(steps := record.message, NodeSteps)
+        for i, samples in enumerate(steps.samples)
+        if samples or not math.isnan(steps.compute_s[i])
+    ]
+
+
 async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:
-    """Wait until a rank reports `step`, reading a node agent's live telemetry as the run monitor does."""
-    status = await wait_until(handle, lambda s: bool(s.endpoints) and s.generation == 0, timeout=timeout)
-    endpoint = status.endpoints[0]
-    reader, writer = await asyncio.open_connection(endpoint.hub.host, endpoint.hub.port)
+    """Wait until the run's first node reports `step` (its ranks' steps, batched per node), reading
+    its agent's live telemetry as the run monitor does."""
+    status = await wait_until(handle, lambda s: s.generation == 0 and s.state != RunState.PENDING, timeout=timeout)
+    hub = (await hubs(client, status.nodes[:1]))[status.nodes[0]]
+    address = Endpoint.parse(hub)
+    reader, writer = await asyncio.open_connection(address.host, address.port)
     writer.write(Subscribe(run_id=status.run_id).model_dump_json().encode() + b"\n")
     await writer.drain()
     try:
         async with asyncio.timeout(timeout):
             while line := await reader.readline():
+                if line.startswith(b'{"t":"beat"'):
+                    continue
                 message = Record.model_validate_json(line).message
-                if isinstance(message, StepReport) and message.step >= step:
+                if isinstance(message, NodeSteps) and message.step >= step:
                     return message.step
     finally:
         writer.close()
@@ -142,7 +197,7 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
 
 async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str, str, object]]:
     """The run's activities in history order: ("scheduled", type, summary) and ("completed", type,
-    result); a local activity, recorded once when it is done, as ("local", type, result); a signal
+    result); a local activity, recorded once when it is done, as ("local", type, summary); a signal
     (the run monitor's reports) as ("signaled", name, input)."""
     types: dict[int, str] = {}
     log: list[tuple[str, str, object]] = []
@@ -150,8 +205,8 @@ async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str
         if event.marker_recorded_event_attributes.marker_name == "core_local_activity":
             details = event.marker_recorded_event_attributes.details
             marker = json.loads(details["data"].payloads[0].data)
-            result = await client.data_converter.decode(details["result"].payloads)
-            log.append(("local", marker["activity_type"], result[0] if result else None))
+            summary = await client.data_converter.decode([event.user_metadata.summary])
+            log.append(("local", marker["activity_type"], summary[0]))
         elif event.HasField("activity_task_scheduled_event_attributes"):
             name = event.activity_task_scheduled_event_attributes.activity_type.name
             types[event.event_id] = name

@@ -1,33 +1,36 @@
-"""A node agent: one per host, on task queue `node.<id>`. It launches, watches, commands and stops
-the ranks of this host, serves their telemetry to the run monitor, keeps the host-memory checkpoint
-tier, and runs the host's self-test when the fleet asks.
+"""A node agent: one per host. It launches, watches, commands and stops the ranks of this host, serves
+their telemetry to the run monitor, keeps the host-memory checkpoint tier, and runs the host's
+self-test when the fleet asks. Everything it does for the supervisor arrives at its hub (one TCP
+port): it is not a Temporal worker, so 2,048 agents open no long polls at all. It tells the fleet
+where its hub listens when it starts.
 
     python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233
 
-A dead agent is how the workflow learns its host is gone (heartbeat and schedule-to-start
-timeouts), so the agent does nothing clever to stay up: its ranks die with it.
+A dead agent is how the run learns its host is gone (its hub falls silent), so the agent does
+nothing clever to stay up: its ranks die with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import uuid
 from pathlib import Path
 
 import structlog
-from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.worker import Worker
 
+from activities.fleet import FleetClient, FleetRefused
 from agent.gpu import gpu_telemetry
 from agent.hub import NodeHub
-from agent.node import NodeActivities
+from agent.node import NodeAgent
 from agent.standby import StandbyPool
-from core.fleet_requests import RegisterNode, fleet_id
-from core.launch import node_queue
+from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
 from training.logs import configure_logging
 from workers.supervisor import connect
-from workflows.fleet import FleetInput, FleetWorkflow
+from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
@@ -39,25 +42,38 @@ def default_memory_dir(node: str) -> Path:
     return (shm if shm.is_dir() else Path("/tmp")) / "stayalive" / node
 
 
-async def register(client: Client, node: str, rack: str, spare: bool) -> None:
-    """Tell the fleet this node is up (starting the fleet's workflow if this is its first node)."""
-    start = WithStartWorkflowOperation(
-        FleetWorkflow.run,
-        FleetInput(),
-        id=fleet_id(),
-        task_queue=TASK_QUEUE,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-    )
+async def register(client: Client, node: str, rack: str, spare: bool, hub: str) -> None:
+    """Tell the fleet this node is up and where its hub listens (host:port), starting the fleet's
+    workflow if this is its first node. Asked until the fleet answers: the supervisor may not be up
+    yet. Every try carries the same request id, so the fleet applies the registration once."""
+    request_id = f"register/{node}/{uuid.uuid4()}"
+
+    async def start_fleet_with(request: FleetRequest) -> None:
+        await client.start_workflow(
+            FleetWorkflow.run,
+            FleetInput(),
+            id=fleet_id(),
+            task_queue=TASK_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal="request",
+            start_signal_args=[request],
+        )
+
+    fleet = FleetClient(fleet_handle(client))
     while True:
         try:
-            entry = await client.execute_update_with_start_workflow(
-                FleetWorkflow.register, RegisterNode(node=node, rack=rack, spare=spare), start_workflow_operation=start
+            entry = await fleet.ask(
+                RegisterNode(node=node, rack=rack, hub=hub, spare=spare), id=request_id, send=start_fleet_with
             )
-            log.info("registered with the fleet", node=node, state=entry.state.value)
-            return
+        except FleetRefused as refused:  # asking again gets the same answer
+            log.error("the fleet refused this node's registration", node=node, hub=hub, reason=str(refused))
+            raise
         except Exception as exc:  # the supervisor may not be up yet: keep asking
             log.warning("fleet registration failed; retrying", node=node, error=str(exc))
             await asyncio.sleep(2.0)
+        else:
+            log.info("registered with the fleet", node=node, hub=hub, state=entry.state.value)
+            return
 
 
 async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
@@ -67,29 +83,21 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     standby = StandbyPool(args.standby, node_dir) if args.standby > 0 else None
     if standby is not None:
         standby.start()
-    node = NodeActivities(args.node, hub, node_dir, standby)
-    telemetry = gpu_telemetry(args.node, args.rack, faults=node.telemetry_faults)
+    agent = NodeAgent(args.node, hub, node_dir, standby)
+    telemetry = gpu_telemetry(args.node, args.rack, faults=agent.telemetry_faults)
     client = await connect(args.address, args.namespace)
-    worker = Worker(
-        client,
-        task_queue=node_queue(args.node),
-        activities=[
-            node.prepare_node,
-            node.run_ranks,
-            node.release_run,
-            node.send_command,
-            node.dump_stacks,
-        ],
-        max_concurrent_activities=64,
-    )
-    log.info("node agent started", node=args.node, task_queue=node_queue(args.node), hub=str(hub.endpoint))
-    registration = asyncio.create_task(register(client, args.node, args.rack, args.spare))
-    sampler = asyncio.create_task(node.sample_gpus(telemetry))
+    log.info("node agent started", node=args.node, hub=str(hub.endpoint))
+    stopped = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
+    registration = asyncio.create_task(register(client, args.node, args.rack, args.spare, str(hub.endpoint)))
+    sampler = asyncio.create_task(agent.sample_gpus(telemetry))
     try:
-        await worker.run()
+        await stopped.wait()
     finally:
         registration.cancel()
         sampler.cancel()
+        await agent.vacate()
         hub.close()
         if standby is not None:
             await standby.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import structlog
 from temporalio.api.enums.v1 import IndexedValueType
@@ -24,7 +26,8 @@ from temporalio.worker import Worker
 from activities.checkpoints import choose_checkpoint
 from activities.fleet import FleetActivities
 from activities.metrics import Exporter, refresh
-from activities.monitor import await_hold, monitor_run
+from activities.monitor import MonitorActivities
+from activities.nodes import NodeActivities
 from activities.paging import deliver_webhook, page
 from core.fleet_requests import fleet_id
 from training.logs import configure_logging
@@ -72,29 +75,39 @@ async def ensure_fleet(client: Client, cluster: str = "default") -> None:
 METRICS_PORT = 9464  # the Prometheus exporters' customary default
 
 
+def activities(client: Client) -> list[Callable[..., Any]]:
+    """Every activity of RunWorkflow and FleetWorkflow: the node agents are reached from here."""
+    fleet = FleetActivities(client)
+    nodes = NodeActivities(fleet)
+    return [
+        MonitorActivities(fleet).monitor_run,
+        choose_checkpoint,
+        nodes.launch,
+        nodes.command,
+        nodes.release,
+        nodes.dump_stacks,
+        nodes.self_test,
+        fleet.acquire_nodes,
+        fleet.replace_node,
+        fleet.take_spare,
+        fleet.release_nodes,
+        fleet.baseline,
+        fleet.record_baseline,
+        fleet.mark_suspect,
+        fleet.eviction_outcomes,
+        fleet.record_eviction,
+        page,
+        deliver_webhook,
+    ]
+
+
 async def serve(address: str, namespace: str, metrics_port: int, metrics_host: str = "127.0.0.1") -> None:
     client = await connect(address, namespace)
-    fleet = FleetActivities(client)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow, FleetWorkflow],
-        activities=[
-            monitor_run,
-            await_hold,
-            choose_checkpoint,
-            fleet.acquire_nodes,
-            fleet.replace_node,
-            fleet.take_spare,
-            fleet.release_nodes,
-            fleet.baseline,
-            fleet.record_baseline,
-            fleet.mark_suspect,
-            fleet.eviction_outcomes,
-            fleet.record_eviction,
-            page,
-            deliver_webhook,
-        ],
+        activities=activities(client),
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )

@@ -1,109 +1,85 @@
-"""One generation's activities: `run_ranks` on every node, and the run monitor, which reports what it
-finds and each checkpoint's verdict by signal.
+"""One generation of ranks: how it is launched, watched, and how it ends.
 
-A generation starts one of three ways: fresh ranks restoring a checkpoint (the first launch, or
-after a crash), survivors rejoining in place after a hold (drain, pause), or re-attaching to ranks
-that never stopped (the next segment after continue-as-new).
+A generation starts one of three ways: fresh ranks restoring a checkpoint (the first launch, or after
+a crash), survivors rejoining in place after a hold (drain, pause), or a new monitor re-attaching to
+ranks that never stopped (the next segment after continue-as-new). Whatever the width, the history
+sees one launch (a local activity: every node agent is asked at once, over its hub) and one
+monitor; how the generation ends arrives as one of the monitor's reports.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from temporalio import workflow
 from temporalio.workflow import ActivityHandle
 
-from workflows import calls
+from workflows import calls, incidents, stragglers
+from workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from core.events import KeeperInput, MonitorInput, NodeOutcome
+    from core.events import (
+        AllHeld,
+        AnomalyFound,
+        Hang,
+        HealthyWindows,
+        KeeperInput,
+        MonitorEvent,
+        MonitorInput,
+        MonitorReport,
+        NodeLost,
+        RankFailed,
+        RanksFinished,
+        SdcDetected,
+        SlowdownFound,
+        SlownessTally,
+        StragglerFound,
+    )
     from core.faults import HARDWARE
-    from core.launch import NodeEndpoint, NodeLaunch, assign_ranks, supervision_env
-    from core.run import RunStatus
+    from core.launch import Launch, supervision_env
+    from core.runbook import RunBook
+
+
+@dataclass
+class Reattach:
+    """Continue-as-new in the middle of a generation: the next segment watches the same ranks."""
+
+
+Ending = RankFailed | NodeLost | RanksFinished | Hang | SdcDetected | AllHeld | Request | Reattach
 
 
 @dataclass
 class Generation:
     number: int
-    nodes: dict[str, ActivityHandle[NodeOutcome]]
-    # Runs until cancelled; what it finds, and each checkpoint's verdict, arrive as signals. None for a
-    # plain script (no hooks): no telemetry, no checkpoints of ours.
-    monitor: ActivityHandle[None] | None
-    finished: set[str] = field(default_factory=set)
+    monitor: ActivityHandle[MonitorReport]
 
-    def waiting(self) -> list[asyncio.Future]:
-        return [task for node, task in self.nodes.items() if node not in self.finished]
+    def end(self) -> None:
+        """Stop watching (a monitor that reported the end has stopped by itself). The ranks keep running
+        until the next launch or a release stops them."""
+        if not self.monitor.done():
+            self.monitor.cancel()
+            self.monitor.add_done_callback(_settled)
 
-    async def cancel(self) -> None:
-        """Stop watching. The ranks themselves keep running until an activity stops them."""
-        live = [h for h in [*self.nodes.values(), self.monitor] if h is not None and not h.done()]
-        for handle in live:
-            handle.cancel()
-        await asyncio.gather(*live, return_exceptions=True)
-
-
-def monitor(status: RunStatus, first_step: bool, checkpoint_steps: float) -> ActivityHandle[None]:
-    resume = status.latest_valid_checkpoint()
-    spec = status.spec
-    health = spec.health
-    assert status.started_at is not None
-    return calls.monitor(
-        MonitorInput(
-            run_id=status.run_id,
-            generation=status.generation,
-            world_size=status.world_size,
-            endpoints=status.endpoints,
-            resume_step=resume.step if resume else 0,
-            await_first_step=first_step,
-            after=status.telemetry_cursor,
-            step_timeout=None if health.step_timeout == "auto" else health.step_timeout,
-            straggler_sigma=health.straggler_sigma,
-            straggler_steps=health.straggler_steps,
-            baseline=status.baseline,
-            known_stragglers=status.known_stragglers(),  # what this generation found is not reported again
-            slowdown_known=status.slowdown_known(),
-            healthy_windows=health.baseline_windows,
-            tally_s=health.slowness_tally,
-            keeper=KeeperInput(
-                root=spec.checkpoint.root,
-                after=status.checkpoint_cursor,
-                checkpoints=[c for c in status.checkpoints if not c.deleted],
-                verified_step=status.verified_step,
-                started_at=status.started_at,
-                sdc_check_steps=spec.sdc.self_check_every,
-                checkpoint_steps=checkpoint_steps,
-            ),
-        )
-    )
+    def ending(self) -> MonitorEvent | None:
+        """What the monitor completed with: the event that ended the generation."""
+        if not self.monitor.done() or self.monitor.cancelled() or self.monitor.exception() is not None:
+            return None
+        report = self.monitor.result()
+        return report.event if report.generation == self.number else None
 
 
-async def endpoints(status: RunStatus, fresh_store: bool) -> list[NodeEndpoint]:
-    """Every node's agent, in node order. Asked only of nodes new to the run and, for a fresh rendezvous
-    store (every generation but a re-attach), of the node that hosts it: a newcomer when there is one,
-    since it is asked anyway, else the first node."""
-    known = {e.node: e for e in status.endpoints}
-    newcomers = [n for n in status.nodes if n not in known]
-    for node in newcomers:  # new to the run, or back: its agent numbers the run's records from 1 again
-        status.telemetry_cursor.pop(node, None)
-        status.checkpoint_cursor.pop(node, None)
-    host = next(iter(newcomers), status.nodes[0]) if fresh_store else None
-    asked = newcomers + ([host] if host is not None and host not in newcomers else [])
-    answer_within = status.spec.health.node_heartbeat_timeout
-    answers = await asyncio.gather(
-        *(calls.prepare(status.run_id, status.generation, n, n == host, answer_within) for n in asked)
-    )
-    if host is not None:  # the last generation's store is not this one's
-        known = {n: e.model_copy(update={"rendezvous": None}) for n, e in known.items()}
-    known |= {e.node: e for e in answers}
-    return [known[n] for n in status.nodes]
+def _settled(handle: asyncio.Future[MonitorReport]) -> None:
+    """A cancelled monitor ends in a cancellation nobody awaits: take it, so it is not reported lost."""
+    if not handle.cancelled():
+        handle.exception()
 
 
-def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps: float) -> Generation:
-    """Start (or re-attach to) the generation `status` describes; its endpoints are already known."""
-    spec = status.spec
-    rendezvous = next((e.rendezvous for e in status.endpoints if e.rendezvous is not None), None)
-    assert rendezvous is not None, "one node hosts the generation's rendezvous store"
+def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
+    """The next generation as the node agents receive it: on the current nodes, from the newest valid
+    checkpoint, or with the survivors of a hold rejoining in place."""
+    status, spec = book.status, book.spec
     membership = status.membership
     resume = status.latest_valid_checkpoint()
     env = spec.env | supervision_env(
@@ -113,36 +89,114 @@ def start(status: RunStatus, checkpoint_seconds: float | None, checkpoint_steps:
         status.generation,
         resume.path if resume and membership is None else None,
         checkpoint_seconds,
-        status.endpoints,
     )
     if membership is not None and membership.newcomers:
         env["STAYALIVE_STATE_FROM_RANK0"] = "1"
-    if status.reattach:
-        origin = "re-attached after continue-as-new"
-    elif membership is not None:
-        origin = "survivors rejoin in place" + (
-            f", {', '.join(membership.newcomers)} joins" if membership.newcomers else ""
-        )
-    else:
-        origin = f"from checkpoint step {resume.step}" if resume else "from scratch"
-    nodes = {
-        node: calls.run_ranks(
-            NodeLaunch(
-                run_id=status.run_id,
-                node=node,
-                generation=status.generation,
-                ranks=ranks,
-                world_size=status.world_size,
-                rendezvous=rendezvous,
-                entrypoint=spec.entrypoint,
-                env=env,
-                adopt=membership.adopt.get(node, {}) if membership else {},
-                hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],
-            ),
-            origin,
-            spec.health.node_heartbeat_timeout,
-        )
-        for node, ranks in assign_ranks(status.nodes, spec.ranks_per_node).items()
-    }
-    watched = monitor(status, not status.reattach, checkpoint_steps) if spec.hooks else None
-    return Generation(number=status.generation, nodes=nodes, monitor=watched)
+    return Launch(
+        run_id=status.run_id,
+        generation=status.generation,
+        nodes=status.nodes,
+        ranks_per_node=spec.ranks_per_node,
+        entrypoint=spec.entrypoint,
+        env=env,
+        rejoin=membership is not None,
+        hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],
+        answer_within=spec.health.node_heartbeat_timeout,
+    )
+
+
+def start_monitor(book: RunBook, first_step: bool, checkpoint_steps: float) -> Generation:
+    status, spec = book.status, book.spec
+    health = spec.health
+    resume = status.latest_valid_checkpoint()
+    assert status.started_at is not None
+    keeper = KeeperInput(
+        root=spec.checkpoint.root,
+        checkpoints=[c for c in status.checkpoints if not c.deleted],
+        verified_step=status.verified_step,
+        started_at=status.started_at,
+        sdc_check_steps=spec.sdc.self_check_every,
+        checkpoint_steps=checkpoint_steps,
+    )
+    input = MonitorInput(
+        run_id=status.run_id,
+        generation=status.generation,
+        nodes=status.nodes,
+        ranks_per_node=spec.ranks_per_node,
+        hooks=spec.hooks,
+        resume_step=resume.step if resume else 0,
+        await_first_step=first_step and spec.hooks,
+        node_silence=health.node_heartbeat_timeout,
+        step_timeout=None if health.step_timeout == "auto" else health.step_timeout,
+        straggler_sigma=health.straggler_sigma,
+        straggler_steps=health.straggler_steps,
+        baseline=status.baseline,
+        known_stragglers=status.known_stragglers(),  # what this generation found is not reported again
+        slowdown_known=status.slowdown_known(),
+        healthy_windows=health.baseline_windows,
+        tally_s=health.slowness_tally,
+        keeper=keeper if spec.hooks else None,
+    )
+    return Generation(number=status.generation, monitor=calls.monitor(input))
+
+
+async def supervise(
+    book: RunBook,
+    inbox: Inbox,
+    gen: Generation,
+    *,
+    ends: Callable[[MonitorEvent], bool] = lambda _: False,
+    until: Callable[[], bool] = lambda: False,
+    take_requests: bool = True,
+    reattach_due: Callable[[], bool] = lambda: False,
+) -> Ending | None:
+    """Act on what the monitor finds until something ends the generation (or the wait): how the
+    generation ended, an event `ends` wants (a hold's AllHeld), a person's request, or the moment to
+    continue as new; None once `until()` holds. Verdicts are filed as they come."""
+    while True:
+        if gen.ending() is None and not inbox.news():
+            await _news_or_end(inbox, gen)
+        ended = gen.ending()
+        for event in [*inbox.events(gen.number), *([ended] if ended is not None else [])]:
+            if book.known(event):
+                continue  # a monitor restarted from an older place found it again
+            book.observe(event)
+            if isinstance(event, RankFailed | NodeLost | RanksFinished | Hang | SdcDetected) or ends(event):
+                book.file_verdicts(inbox.take_verdicts())  # signalled before the end: they happened first
+                return event  # type: ignore[return-value]  # the union of what `ends` picks
+            await _on_finding(book, inbox, event)
+        book.file_verdicts(inbox.take_verdicts())
+        if until():
+            return None
+        if take_requests and inbox.requests:
+            return inbox.requests.pop(0)
+        if reattach_due():
+            return Reattach()
+
+
+async def _news_or_end(inbox: Inbox, gen: Generation) -> None:
+    """Until something arrives in the inbox or the monitor completes (a monitor that is done without
+    an ending, cancelled, leaves only the inbox)."""
+    if gen.monitor.done():
+        await inbox.wait()
+        return
+    news = asyncio.ensure_future(inbox.wait())
+    await workflow.wait([gen.monitor, news], return_when=asyncio.FIRST_COMPLETED)
+    news.cancel()
+
+
+async def _on_finding(book: RunBook, inbox: Inbox, event: MonitorEvent) -> None:
+    """What the detectors found that ends nothing: record it, and act on slowness."""
+    if isinstance(event, AnomalyFound):
+        incidents.anomaly(book, event)
+    elif isinstance(event, StragglerFound | SlownessTally):
+        if isinstance(event, StragglerFound):
+            await stragglers.settle(book, resolved=False)
+            await stragglers.straggler(book, event)
+        if (drain := await stragglers.climb(book)) is not None:  # what it found with may buy a rung already
+            inbox.requests.append(drain)
+    elif isinstance(event, SlowdownFound):
+        await stragglers.slowdown(book, event)
+    elif isinstance(event, HealthyWindows):
+        await stragglers.settle(book, resolved=True)
+        await calls.record_baseline(book.spec.config_digest, event.medians)

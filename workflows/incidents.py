@@ -1,93 +1,106 @@
-"""What a run does about what went wrong: a crash, a lost node, a hang, a straggler, a slowdown,
-silent data corruption, a skipped update.
+"""What went wrong in a generation, as the timeline entry it becomes: a crash, a lost node, a hang,
+silent data corruption, a node that never answered its launch, a skipped update.
 
 Each is told apart by who noticed (seed 002): a node agent reaps a dead rank, a node agent falls
-silent, the run monitor's progress watchdog sees no step, its detectors see one rank or the whole
-run slow, the ranks' own checks see a wrong number. Each has its own remedy. Workflow code: it
-decides and calls activities, nothing else.
+silent, the run monitor's watchdog sees no step, the ranks' own checks see a wrong number. Each
+function gathers what it needs (stack dumps, the fleet's spare), puts the culprit's node out of the
+group, and returns the Interruption; the workflow records it and restarts.
 """
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 from workflows import calls
-from workflows.generation import Generation
 
 with workflow.unsafe.imports_passed_through():
-    from activities.fleet import Replace
-    from activities.paging import Page
-    from core.detectors import culprit
+    from core.control import HangInput
     from core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected
-    from core.goodput import recent_goodput
-    from core.launch import Membership, assign_ranks, without_node
-    from core.paging import Classification, PagingClass, classify
-    from core.recovery import interruption_from, mark_suspect
+    from core.fleet_requests import Replace
+    from core.launch import Membership
+    from core.paging import Classification, Page
+    from core.recovery import interruption_from
     from core.run import Cause, Detection, Interruption, RunState
-
-if TYPE_CHECKING:
-    from workflows.run import RunWorkflow
+    from core.runbook import RunBook
 
 
-async def failure(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLost) -> None:
-    """A rank died or a node went silent: find who failed, quarantine it, restart from a checkpoint."""
-    failed = await _culprit(run, gen, first)
-    await gen.cancel()
-    status = run.status
-    interruption = interruption_from(failed, status, workflow.now())
+async def failure(book: RunBook, failed: RankFailed | NodeLost) -> Interruption:
+    """A rank died or a node went silent (the monitor has already waited out a rank that died of a
+    lost peer): quarantine the node; the next generation restarts from a checkpoint."""
+    interruption = interruption_from(failed, book.status, workflow.now())
     if interruption.cause == Cause.CHECKPOINT_INVALID:
         interruption.actions.append("marked the checkpoint it was given unusable")
     else:  # its self-test, which quarantine starts, first stops the node's other ranks and frees its memory
-        await replace(run, interruption, failed.node, interruption.line())
-    await _restart(run, interruption)
+        await replace(book, interruption, failed.node, interruption.line())
+    return interruption
 
 
-async def hang(run: RunWorkflow, gen: Generation, event: Hang) -> None:
-    """Alive, no progress: dump every rank's stacks, name the rank whose stack differs, take its node
-    out, and restart every rank (a blocked collective cannot be aborted)."""
-    status = run.status
-    run.set_state(RunState.DIAGNOSING, f"no step for {event.stalled_s:.0f}s: dumping stacks")
-    dumps = await asyncio.gather(*(calls.dump_stacks(run.run_id, node) for node in status.nodes))
-    await gen.cancel()
-    stacks = {rank: text for dump in dumps for rank, text in dump.stacks.items()}
-    suspects = culprit(stacks)
-    rank = suspects[0] if len(suspects) == 1 else None
+async def unreachable(book: RunBook, nodes: dict[str, str]) -> Interruption:
+    """Nodes whose agents did not answer the launch: each is a lost node, never a failed run."""
+    status = book.status
+    first, *others = sorted(nodes)
+    interruption = Interruption(
+        at=workflow.now(),
+        generation=status.generation,
+        detected_by="launch: the node agent did not answer",
+        cause=Cause.NODE_LOST,
+        node=first,
+        step=status.progress.step,
+        detail="; ".join(f"{node}: {why}" for node, why in sorted(nodes.items())),
+    )
+    for node in [first, *others]:
+        await replace(book, interruption, node, f"did not answer the launch of generation {status.generation}")
+    return interruption
+
+
+async def hang(book: RunBook, event: Hang) -> Interruption:
+    """Alive, no progress: dump every rank's stacks into one file, name the rank whose stack stands
+    out, and take its node out; every rank restarts (a blocked collective cannot be aborted)."""
+    status, spec = book.status, book.spec
+    book.move(RunState.DIAGNOSING, f"no step for {event.stalled_s:.0f}s: dumping stacks")
+    request = HangInput(
+        run_id=status.run_id,
+        nodes=status.nodes,
+        ranks_per_node=spec.ranks_per_node,
+        generation=status.generation,
+        step=event.step,
+        directory=status.checkpoint_dir,
+    )
+    try:
+        stacks = await calls.dump_stacks(request)
+        culprit, summary, artifacts = stacks.culprit, stacks.summary, [stacks.artifact] if stacks.artifact else []
+    except ActivityError as exc:  # the stacks are evidence, not a precondition: restart all the same
+        culprit, summary, artifacts = None, f"stacks could not be dumped: {exc.cause or exc}", []
     interruption = Interruption(
         at=datetime.fromtimestamp(event.at, UTC) - timedelta(seconds=event.stalled_s),
         generation=status.generation,
         detected_by=f"progress watchdog: no step for {event.timeout_s:.0f}s, every rank alive",
         cause=Cause.HANG,
-        node=_node_of(run, rank) if rank is not None else None,
-        rank=rank,
+        node=status.node_of(culprit) if culprit is not None else None,
+        rank=culprit,
         step=event.step,
         detected_after_s=event.stalled_s,
-        detail=f"rank {rank}'s stack differs from the other {len(stacks) - 1}"
-        if rank is not None
-        else f"no single rank's stack stands out (suspects: {suspects or 'none'})",
-        artifacts=sorted({path for dump in dumps for path in dump.files.values()}),
+        detail=summary,
+        artifacts=artifacts,
     )
     if interruption.node is not None:  # its self-test first stops the hung rank
-        await replace(run, interruption, interruption.node, interruption.line())
+        await replace(book, interruption, interruption.node, interruption.line())
     else:
         interruption.actions.append("no culprit named: every rank restarts on the same nodes")
-    await _restart(run, interruption)
+    return interruption
 
 
-async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
+async def sdc(book: RunBook, event: SdcDetected) -> Interruption:
     """A check failed and every rank halted before the step's update. What was computed after the
     last passing check may be corrupt: those checkpoints become suspect, the culprit's node is
     quarantined (its self-test runs in the fleet), and the run restarts from the newest checkpoint
     at or before that check."""
-    check, status = event.check, run.status
-    await gen.cancel()
-    suspect = mark_suspect(status.checkpoints, status.generation, check.last_verified)
-    resume = status.latest_valid_checkpoint()
-    status.verified_step = resume.step if resume else 0  # the new timeline is verified up to where it starts
-    node = _node_of(run, check.culprit) if check.culprit is not None else None
+    check, status = event.check, book.status
+    suspect = book.corrupted(check)
+    node = status.node_of(check.culprit) if check.culprit is not None else None
     interruption = Interruption(
         at=workflow.now(),
         generation=status.generation,
@@ -104,22 +117,23 @@ async def sdc(run: RunWorkflow, gen: Generation, event: SdcDetected) -> None:
         ],
     )
     if node is not None:
-        await replace(run, interruption, node, f"SDC: {check.detail}")
-    await _restart(run, interruption)
+        await replace(book, interruption, node, f"SDC: {check.detail}")
+    return interruption
 
 
-def anomaly(run: RunWorkflow, event: AnomalyFound) -> None:
+def anomaly(book: RunBook, event: AnomalyFound) -> None:
     """A step's update was skipped on every rank and training went on: recorded, with the rank whose
     numbers went non-finite, for a person to investigate."""
-    found = event.anomaly
-    run.status.detections.append(
+    found, status = event.anomaly, book.status
+    nonfinite = found.kind == "nonfinite"
+    book.detect(
         Detection(
             at=workflow.now(),
-            generation=run.status.generation,
+            generation=status.generation,
             kind=found.kind,
             step=found.step,
-            node=_node_of(run, found.rank) if found.kind == "nonfinite" else None,
-            rank=found.rank if found.kind == "nonfinite" else None,
+            node=status.node_of(found.rank) if nonfinite else None,
+            rank=found.rank if nonfinite else None,
             evidence=found.detail,
             actions=[f"every rank skipped the update of step {found.step}; the weights are untouched"],
         )
@@ -127,72 +141,21 @@ def anomaly(run: RunWorkflow, event: AnomalyFound) -> None:
     workflow.logger.warning("update of step %s skipped: %s", found.step, found.detail)
 
 
-def _node_of(run: RunWorkflow, rank: int) -> str | None:
-    placement = assign_ranks(run.status.nodes, run.spec.ranks_per_node)
-    return next((node for node, ranks in placement.items() if rank in ranks), None)
-
-
-async def replace(run: RunWorkflow, interruption: Interruption, node: str, reason: str) -> Membership:
+async def replace(book: RunBook, interruption: Interruption, node: str, reason: str) -> Membership:
     """Quarantine `node` and put a spare in its place, or go on without it (or stop, below the minimum)."""
-    status, spec = run.status, run.spec
     replacement = await calls.replace(
-        Replace(run_id=run.run_id, node=node, reason=reason, candidates=run.spare_candidates())
+        Replace(run_id=book.status.run_id, node=node, reason=reason, candidates=book.spare_candidates())
     )
-    interruption.actions.append(f"quarantined {node} in the fleet (self-test running)")
-    membership = without_node(status.nodes, node, replacement.spare, spec.ranks_per_node)
-    if replacement.spare:
-        status.spares_used.append(replacement.spare)
-        interruption.actions.append(f"replaced {node} with spare {replacement.spare}")
-    elif len(membership.nodes) >= spec.min_nodes:
-        interruption.actions.append(f"no spare free: continuing on {len(membership.nodes)} nodes")
-    else:
-        interruption.actions.append(f"no spare free and {len(membership.nodes)} nodes < min {spec.min_nodes}")
-    status.nodes = list(membership.nodes)
-    return membership
+    return book.replaced(interruption, node, replacement.spare)
 
 
-async def _restart(run: RunWorkflow, interruption: Interruption) -> None:
-    """Classify, record, page, and let the next generation restart every rank from a checkpoint."""
-    status, now = run.status, workflow.now()
-    paging = classify(status.interruptions, interruption, run.spec.checkpoint.prior_mtbf, recent_goodput(status, now))
-    interruption.paging = paging
-    run.record(interruption)
-    if paging.paging == PagingClass.DETERMINISTIC:
-        run.stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
-        interruption.actions.append("stopped the run for a person")
-    await page(run, paging, interruption.line())
-
-
-async def page(run: RunWorkflow, classification: Classification, summary: str) -> None:
-    sinks = run.spec.paging
-    await calls.send_page(
-        Page.of(
-            run.run_id,
-            workflow.now(),
-            classification,
-            summary,
-            webhook_url=str(sinks.webhook) if sinks.webhook else None,
-            jsonl_path=sinks.jsonl,
-        )
+def page(book: RunBook, classification: Classification, summary: str) -> Page:
+    sinks = book.spec.paging
+    return Page.of(
+        book.status.run_id,
+        workflow.now(),
+        classification,
+        summary,
+        webhook_url=str(sinks.webhook) if sinks.webhook else None,
+        jsonl_path=sinks.jsonl,
     )
-
-
-async def _culprit(run: RunWorkflow, gen: Generation, first: RankFailed | NodeLost) -> RankFailed | NodeLost:
-    """A rank that died of a lost peer is a witness: wait (up to a heartbeat timeout) for the node
-    that actually failed, whose agent reports a crash or falls silent."""
-    if not (isinstance(first, RankFailed) and first.peer_lost):
-        return first
-    run.set_state(RunState.DIAGNOSING, f"rank {first.rank} lost a peer: waiting for the node that failed")
-    deadline = workflow.now() + timedelta(seconds=run.spec.health.node_heartbeat_timeout + 5)
-    pending = {task: node for node, task in gen.nodes.items() if node not in gen.finished and node != first.node}
-    while pending and workflow.now() < deadline:
-        done, _ = await workflow.wait(
-            list(pending), timeout=(deadline - workflow.now()).total_seconds(), return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in done:
-            outcome = await run.outcome(pending.pop(task), task)
-            if isinstance(outcome, NodeLost) or (isinstance(outcome, RankFailed) and not outcome.peer_lost):
-                return outcome
-        if not done:
-            break
-    return first

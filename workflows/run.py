@@ -1,65 +1,57 @@
 """RunWorkflow: carries one training run to its target step, through every interruption.
 
-A run is a sequence of generations (workflows/generation.py). Between them the workflow decides:
-after a crash, quarantine the node and restart from the newest valid checkpoint on a spare or at
-reduced width; for a drain, the auto-cordon sequence (drain → wait → checkpoint → resize → resume)
-with the survivors kept alive; for a pause, a hold until a person resumes. Workflow code decides;
-every side effect is an activity (workflows/calls.py).
+A thin shell over a RunBook (core/runbook.py), which owns the run's state and every change to it.
+The workflow waits and calls: it launches a generation (workflows/generation.py), watches it until
+something ends it, and hands that to the module that knows what to do — a failure, a hang or
+corruption (incidents.py), a person's request (requests.py), slowness (stragglers.py), checkpoints
+(checkpoints.py) — which returns what came of it. Messages only land in the inbox; the loop decides.
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from datetime import datetime, timedelta
+from typing import Annotated
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
-from temporalio.exceptions import ActivityError
 
-from workflows import calls, checkpoints, generation, incidents, requests, stragglers
-from workflows.generation import Generation
-from workflows.requests import Request
+from workflows import calls, checkpoints, generation, incidents, requests
+from workflows.generation import Ending, Generation, Reattach
+from workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
+    from core.control import CommandRanks, ReleaseRanks
     from core.events import (
         CHECKPOINT_JUDGED,
         MONITOR_REPORT,
-        AnomalyFound,
+        AllHeld,
         CheckpointJudged,
-        FirstStep,
         Hang,
-        HealthyWindows,
-        MonitorEvent,
         MonitorReport,
         NodeLost,
-        NodeOutcome,
+        RankFailed,
         RanksFinished,
         SdcDetected,
-        SlowdownFound,
-        SlownessTally,
-        StragglerFound,
     )
-    from core.goodput import ledger
+    from core.goodput import ledger, recent_goodput
     from core.health import Health, health_table
     from core.interval import checkpoint_seconds, checkpoint_steps
+    from core.paging import Page
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
+    from core.runbook import RunBook
     from core.spec import RunSpec
-    from core.telemetry import Command
 
 TASK_QUEUE = "stayalive"
-# Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
-FINAL_VERDICT_WITHIN = timedelta(minutes=2)
 # Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
 # the middle of a generation only once the server's suggestion is this old (a long healthy stretch).
 REATTACH_AFTER = timedelta(minutes=10)
 # Step and Goodput are for listing and filtering runs: refreshed with every state change, and between
 # changes at a checkpoint at most this often (each refresh is a history event; `health` is live).
 LISTING_REFRESH = timedelta(minutes=5)
-CommandKind = Literal["checkpoint", "hold", "exit", "rebalance"]
 RUN_STATE = SearchAttributeKey.for_keyword("RunState")
 STEP = SearchAttributeKey.for_int("Step")
 GOODPUT = SearchAttributeKey.for_float("Goodput")
@@ -95,50 +87,49 @@ class ResumeFrom(BaseModel):
 class RunWorkflow:
     @workflow.init
     def __init__(self, input: RunInput) -> None:
-        self.verdicts: list[CheckpointJudged] = []  # from the run monitor's keeper, in the order it sent them
         if isinstance(input, CarriedRun):
-            self.status, self.verdicts = input.status, input.verdicts
+            status, verdicts = input.status, input.verdicts
         else:
             info = workflow.info()
-            self.status = RunStatus(
-                spec=input, run_id=f"{info.workflow_id}/{info.first_execution_run_id[:8]}", nodes=list(input.nodes)
-            )
-        self.run_id = self.status.run_id
-        self.requests: list[Request] = []
-        self.reports: list[MonitorReport] = []  # from the run monitor, in the order it sent them
-        self.resumed = False
+            run_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}"
+            status, verdicts = RunStatus(spec=input, run_id=run_id, nodes=list(input.nodes)), []
+        self.book = RunBook(status, on_move=self._show, on_refused=self._refused, on_checkpoint=self._list_progress)
+        self.inbox = Inbox(verdicts=list(verdicts))
+        self.pages: list[Page] = []  # filed once the next generation is launched: never on the restart path
         self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
         self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
 
-    @property
-    def spec(self) -> RunSpec:
-        return self.status.spec
-
     @workflow.run
     async def run(self, input: RunInput) -> RunResult:
-        status = self.status
+        book = self.book
+        status = book.status
         if status.started_at is None:
             status.started_at = workflow.now()
             await self._acquire()
-            if self.spec.hooks:
-                status.baseline = await calls.baseline(self.spec.config_digest)
+            if book.spec.hooks:
+                status.baseline = await calls.baseline(book.spec.config_digest)
         try:
-            while not status.state.terminal:
-                if status.state == RunState.STOPPED:
-                    await requests.stopped(self)
+            while not book.state.terminal:
+                if book.state == RunState.STOPPED:
+                    await self._file_pages()
+                    await requests.stopped(book, self.inbox)
                     continue
-                await self._supervise(await self._start())
+                gen = await self._start()
+                if gen is not None:
+                    await self._end(gen, await self._watch(gen))
                 if self._continue_as_new_due(between_generations=True):
+                    await self._file_pages()
                     await workflow.wait_condition(workflow.all_handlers_finished)
-                    workflow.continue_as_new(CarriedRun(status=status, verdicts=self.verdicts))
+                    workflow.continue_as_new(CarriedRun(status=status, verdicts=self.inbox.verdicts))
         except asyncio.CancelledError:
             await self._release()
-            self.set_state(RunState.CANCELLED)
+            book.move(RunState.CANCELLED)
             raise
+        await self._file_pages()
         await self._release()
         status.finished_at = workflow.now()
         return RunResult(
-            run_id=self.run_id,
+            run_id=status.run_id,
             state=status.state,
             final_step=status.progress.step,
             interruptions=status.interruptions,
@@ -150,50 +141,52 @@ class RunWorkflow:
 
     @workflow.query
     def status_query(self) -> RunStatus:
-        return self.status
+        return self.book.status
 
     @workflow.query
     def health(self) -> Health:
-        return Health.of(self.status, workflow.now(), self._checkpoint_seconds())
+        return Health.of(self.book.status, workflow.now(), self._checkpoint_seconds())
 
     @workflow.query
     def timeline(self) -> list[Interruption]:
-        return self.status.interruptions
+        return self.book.status.interruptions
 
     @workflow.query
     def detections(self) -> list[Detection]:
         """Stragglers, slowdowns and skipped updates: nothing stopped, so not interruptions."""
-        return self.status.detections
+        return self.book.status.detections
 
     @workflow.query
     def checkpoints(self) -> list[CheckpointRecord]:
         """Every checkpoint the run wrote: validated or not, and why; SDC-verified, unverified or
         suspect; deleted by retention or kept."""
-        return self.status.checkpoints
+        return self.book.status.checkpoints
 
     @workflow.signal
     async def force_checkpoint(self) -> None:
         """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
-        self.set_state(RunState.CHECKPOINTING)
-        await self.command("checkpoint", "checkpoint at the next step all ranks agree on")
+        status = self.book.status
+        self.book.move(RunState.CHECKPOINTING, "a checkpoint was asked for")
+        command = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=self.book.command("checkpoint"))
+        await calls.command(command, "checkpoint at the next step all ranks agree on")
 
     @workflow.signal(name=MONITOR_REPORT)
     def monitor_report(self, report: MonitorReport) -> None:
         """What the run monitor found (activities/monitor.py); handled by the main loop."""
-        self.reports.append(report)
+        self.inbox.reports.append(report)
 
     @workflow.signal(name=CHECKPOINT_JUDGED)
     def checkpoint_judged(self, judged: CheckpointJudged) -> None:
         """A checkpoint the ranks committed, with the keeper's verdict; recorded by the main loop."""
-        self.verdicts.append(judged)
+        self.inbox.verdicts.append(judged)
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:
-        self.requests.append(Request(kind="pause", reason=reason))
+        self.inbox.requests.append(Request(kind="pause", reason=reason))
 
     @workflow.signal
     def resume(self) -> None:
-        self.resumed = True
+        self.inbox.resumed = True
 
     @workflow.update
     async def drain_node(self, request: DrainNode) -> str:
@@ -202,12 +195,16 @@ class RunWorkflow:
 
     @drain_node.validator
     def _check_drain(self, request: DrainNode) -> None:
-        if not self.spec.hooks:
+        status = self.book.status
+        if not self.book.spec.hooks:
             raise ValueError("drain_node needs a run with hooks: a plain script cannot hold at a step")
-        if request.node not in self.status.nodes:
-            raise ValueError(f"{request.node} is not in this run; its nodes are {', '.join(self.status.nodes)}")
-        if self.status.state != RunState.RUNNING:
-            raise ValueError(f"the run is {self.status.state.value}; drain a node once it is RUNNING")
+        if request.node not in status.nodes:
+            shown = ", ".join(status.nodes[:16]) + (
+                f", … ({len(status.nodes)} in all)" if len(status.nodes) > 16 else ""
+            )
+            raise ValueError(f"{request.node} is not in this run; its nodes are {shown}")
+        if status.state != RunState.RUNNING:
+            raise ValueError(f"the run is {status.state.value}; drain a node once it is RUNNING")
 
     @workflow.update
     async def resume_from(self, request: ResumeFrom) -> str:
@@ -216,15 +213,16 @@ class RunWorkflow:
 
     @resume_from.validator
     def _check_resume_from(self, request: ResumeFrom) -> None:
-        if not any(c.step == request.step and c.resumable for c in self.status.checkpoints):
-            valid = ", ".join(str(s) for s in sorted({c.step for c in self.status.checkpoints if c.resumable}))
+        checkpoints = self.book.status.checkpoints
+        if not any(c.step == request.step and c.resumable for c in checkpoints):
+            valid = ", ".join(str(s) for s in sorted({c.step for c in checkpoints if c.resumable}))
             raise ValueError(
                 f"no resumable checkpoint at step {request.step} (validated and not suspect of SDC); "
                 f"resume_from one of the resumable steps: {valid or 'none yet'}"
             )
 
     async def _carry_out(self, request: Request) -> str:
-        self.requests.append(request)
+        self.inbox.requests.append(request)
         await workflow.wait_condition(lambda: request.outcome is not None)
         return request.outcome or ""
 
@@ -232,221 +230,159 @@ class RunWorkflow:
 
     async def _acquire(self) -> None:
         """Ask the fleet for the spec's nodes; a refused one is replaced by a spare or left out."""
-        grant = await calls.acquire(self.run_id, self.spec.nodes)
-        nodes = list(self.status.nodes)
+        book, status = self.book, self.book.status
+        grant = await calls.acquire(status.run_id, book.spec.nodes)
         for node, why in grant.refused.items():
             workflow.logger.warning("fleet refused %s: %s", node, why)
-            spare = await calls.take_spare(self.run_id, self.spare_candidates())
-            nodes = [spare if n == node else n for n in nodes] if spare else [n for n in nodes if n != node]
+            spare = await calls.take_spare(status.run_id, book.spare_candidates())
+            status.nodes = [spare if n == node else n for n in status.nodes] if spare else status.nodes
             if spare:
-                self.status.spares_used.append(spare)
-        self.status.nodes = nodes
-        if len(nodes) < self.spec.min_nodes:
-            self.stop(f"the fleet has {len(nodes)} usable nodes of the {self.spec.min_nodes} this run needs")
+                status.spares_used.append(spare)
+            else:
+                status.nodes = [n for n in status.nodes if n != node]
+        if len(status.nodes) < book.spec.min_nodes:
+            book.stop(f"the fleet has {len(status.nodes)} usable nodes of the {book.spec.min_nodes} this run needs")
 
-    async def _start(self) -> Generation:
-        status = self.status
-        fresh = status.membership is None and not status.reattach
-        if not status.reattach:
-            self.set_state(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
-        # Judging what the last generation left and preparing the nodes do not wait for each other.
-        asked = generation.endpoints(status, fresh_store=not status.reattach)
-        if fresh and status.generation > 0:
-            status.endpoints, _ = await asyncio.gather(asked, checkpoints.judge_leftovers(self))
-        else:
-            status.endpoints = await asked
-        if status.interruptions and status.interruptions[-1].resumed_from is None:
+    async def _start(self) -> Generation | None:
+        """Launch the next generation (or re-attach to the running one) and start watching it. None
+        when a node did not answer: it is replaced, and the loop launches again."""
+        book = self.book
+        status = book.status
+        reattach, rejoin = status.reattach, status.membership is not None
+        if not reattach:
+            book.move(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
+            if status.generation > 0 and not rejoin:
+                await checkpoints.judge_leftovers(book)
             resume = status.latest_valid_checkpoint()
-            status.interruptions[-1].resumed_at(resume.step if resume else 0)
-        started = generation.start(status, self._checkpoint_seconds(), self.checkpoint_steps())
+            book.resumed(resume.step if resume else 0)
+            launched = await calls.launch(generation.launch_request(book, self._checkpoint_seconds()))
+            await self._file_pages()
+            if not launched.started:
+                book.keep_survivors(None)  # held survivors may have been told to rejoin: start afresh
+                await self._restart(await incidents.unreachable(book, launched.unreachable))
+                return None
+        gen = generation.start_monitor(book, first_step=not reattach, checkpoint_steps=self._checkpoint_steps())
         status.membership, status.reattach = None, False
-        return started
+        return gen
 
-    async def _supervise(self, gen: Generation) -> None:
-        """Handle this generation's events until it ends (interruption, completion, a request, continue-as-new)."""
-        while True:
-            ask = asyncio.ensure_future(
-                workflow.wait_condition(lambda: bool(self.requests or self.reports or self.verdicts))
-            )
-            done, _ = await workflow.wait([*gen.waiting(), ask], return_when=asyncio.FIRST_COMPLETED)
-            if not ask.done():
-                ask.cancel()
-            while self.reports:
-                report = self.reports.pop(0)
-                if report.generation == gen.number and await self._on_report(gen, report.event):
-                    return
-            checkpoints.take_verdicts(self, gen)
-            for node, task in gen.nodes.items():
-                if task in done:
-                    outcome = await self.outcome(node, task)
-                    if isinstance(outcome, RanksFinished):
-                        gen.finished.add(node)
-                    else:
-                        await incidents.failure(self, gen, outcome)
-                        return
-            if len(gen.finished) == len(gen.nodes):
-                await self._finish(gen)
-                return
-            if self.requests:
-                await requests.carry_out(self, self.requests.pop(0), gen)
-                return
-            if self._continue_as_new_due(between_generations=False):
-                self.status.reattach = True
-                await gen.cancel()
-                return
+    async def _watch(self, gen: Generation) -> Ending:
+        ended = await generation.supervise(
+            self.book, self.inbox, gen, reattach_due=lambda: self._continue_as_new_due(between_generations=False)
+        )
+        assert ended is not None, "supervise without `until` returns only what ended the generation"
+        return ended
 
-    async def _on_report(self, gen: Generation, event: MonitorEvent) -> bool:
-        """Act on one of the monitor's findings; True when it ended the generation (a hang, SDC)."""
-        if self._known(event):
-            return False  # a monitor restarted from an older heartbeat found it again
-        self._on_monitor_event(event)
-        if isinstance(event, Hang):
-            await incidents.hang(self, gen, event)
-            return True
-        if isinstance(event, SdcDetected):
-            await incidents.sdc(self, gen, event)
-            return True
-        if isinstance(event, AnomalyFound):
-            incidents.anomaly(self, event)
-        elif isinstance(event, StragglerFound):
-            await stragglers.settle(self, resolved=False)
-            await stragglers.straggler(self, event)
-        elif isinstance(event, SlowdownFound):
-            await stragglers.slowdown(self, event)
-        elif isinstance(event, SlownessTally):
-            await stragglers.climb(self)
-        elif isinstance(event, HealthyWindows):
-            await stragglers.settle(self, resolved=True)
-            await calls.record_baseline(self.spec.config_digest, event.medians)
-        return False
+    async def _end(self, gen: Generation, ending: Ending) -> None:
+        """What ended the generation decides what comes next."""
+        book = self.book
+        if isinstance(ending, Request):
+            if ending.kind == "rollback":
+                gen.end()
+                requests.rollback(book, ending)
+            elif (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
+                await self._end(gen, interrupted)
+        elif isinstance(ending, Reattach):
+            book.status.reattach = True
+            gen.end()
+        elif isinstance(ending, RanksFinished):
+            await self._finish(gen)
+        elif isinstance(ending, RankFailed | NodeLost):
+            gen.end()
+            await self._restart(await incidents.failure(book, ending))
+        elif isinstance(ending, Hang):
+            interruption = await incidents.hang(book, ending)
+            gen.end()
+            await self._restart(interruption)
+        elif isinstance(ending, SdcDetected):
+            gen.end()
+            await self._restart(await incidents.sdc(book, ending))
+        elif isinstance(ending, AllHeld):
+            workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
 
-    def _known(self, event: MonitorEvent) -> bool:
-        if isinstance(event, StragglerFound):
-            return event.rank in self.status.known_stragglers()
-        return isinstance(event, SlowdownFound) and self.status.slowdown_known()
-
-    async def outcome(self, node: str, task: asyncio.Future[NodeOutcome]) -> NodeOutcome | NodeLost:
-        try:
-            return await task
-        except ActivityError as exc:
-            # A heartbeat timeout: the node agent is gone (dead host, partition, killed agent).
-            return NodeLost(node=node, detail=f"{exc.cause or exc}")
-
-    # -- events ---------------------------------------------------------------------------------
-
-    def _on_monitor_event(self, event: MonitorEvent) -> None:
-        status = self.status
-        status.progress = event.progress
-        status.telemetry_cursor = event.after
-        status.straggler_seconds += event.progress.straggler_s  # the monitor counts afresh after each report
-        if isinstance(event, FirstStep):
-            at = datetime.fromtimestamp(event.at, UTC)
-            if status.first_step_at is None:
-                status.first_step_at = at
-            last = status.interruptions[-1] if status.interruptions else None
-            if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
-                last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
-                last.restored_from = last.restored_from or event.restored_from
-            if status.state in (RunState.LAUNCHING, RunState.RESUMING):
-                self.set_state(RunState.RUNNING)
-
-    def list_progress(self) -> None:
-        """Refresh Step and Goodput between state changes, at most every LISTING_REFRESH."""
-        if self.listed_at is None or workflow.now() - self.listed_at >= LISTING_REFRESH:
-            self._list()
-
-    def record(self, interruption: Interruption) -> None:
-        """Add the interruption to the timeline; the generation that follows fills in where it resumed."""
-        status = self.status
-        status.interruptions.append(interruption)
+    async def _restart(self, interruption: Interruption) -> None:
+        """Record a failure; the next generation restarts every rank from a checkpoint. Its page is
+        filed once that generation is launched."""
+        book, now = self.book, workflow.now()
+        paging = book.failed(interruption, book.spec.checkpoint.prior_mtbf, recent_goodput(book.status, now))
         workflow.logger.warning("interruption: %s", interruption.line())
-        status.generation += 1
-        if len(status.interruptions) > self.spec.max_restarts:
-            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
-            self.set_state(RunState.FAILED)
-        elif len(status.nodes) < self.spec.min_nodes:
-            self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+        self.pages.append(incidents.page(book, paging, interruption.line()))
+
+    async def _file_pages(self) -> None:
+        pages, self.pages = self.pages, []
+        for page in pages:
+            await calls.send_page(page)
 
     async def _finish(self, gen: Generation) -> None:
         """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
-        target = self.spec.target_step
-        if gen.monitor is not None and target is not None:
-            # The keeper may still be validating what the ranks wrote last (or catching up after a
-            # supervisor restart): take its verdicts until the final checkpoint's is among them.
-            # A generation that resumed from the target's own checkpoint has nothing more to write.
-            while not any(
-                c.step == target and (c.generation == gen.number or c.resumable) for c in self.status.checkpoints
-            ):
-                try:
-                    await workflow.wait_condition(lambda: bool(self.verdicts), timeout=FINAL_VERDICT_WITHIN)
-                except TimeoutError:
-                    # Storage, not telemetry, is the record: judge what the ranks left there instead.
-                    workflow.logger.warning("no verdict on the final checkpoint from the keeper; judging storage")
-                    await gen.cancel()
-                    await checkpoints.judge_leftovers(self)
-                    break
-                checkpoints.take_verdicts(self, gen)
-            await gen.cancel()
-            if not any(c.step == target and c.validated for c in self.status.checkpoints):
-                self.record(
-                    Interruption(
-                        at=workflow.now(),
-                        generation=self.status.generation,
-                        detected_by="final checkpoint validation",
-                        cause=Cause.CHECKPOINT_INVALID,
-                        step=target,
-                        detail=f"ranks finished but the checkpoint of step {target} is not valid",
-                    )
+        book = self.book
+        target = book.spec.target_step
+        if not book.spec.hooks or target is None:
+            gen.end()
+            book.move(RunState.COMPLETED)
+            return
+        valid = await checkpoints.final_verdict(book, self.inbox, gen.number)
+        gen.end()
+        if not valid:
+            book.record(
+                Interruption(
+                    at=workflow.now(),
+                    generation=book.status.generation,
+                    detected_by="final checkpoint validation",
+                    cause=Cause.CHECKPOINT_INVALID,
+                    step=target,
+                    detail=f"ranks finished but the checkpoint of step {target} is not valid",
                 )
-                return
-            self.status.progress.step = target
-        self.set_state(RunState.COMPLETED)
-
-    # -- helpers --------------------------------------------------------------------------------
-
-    def stop(self, reason: str) -> None:
-        self.status.failure = reason
-        self.set_state(RunState.STOPPED, reason)
-
-    def spare_candidates(self) -> list[str]:
-        """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
-        return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
-
-    def _continue_as_new_due(self, between_generations: bool) -> bool:
-        if not workflow.info().is_continue_as_new_suggested() or self.status.state.terminal:
-            return False
-        self.suggested_at = self.suggested_at or workflow.now()
-        return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
-
-    def _checkpoint_seconds(self) -> float | None:
-        return checkpoint_seconds(self.status, workflow.now())
-
-    def checkpoint_steps(self) -> float:
-        return checkpoint_steps(self.status, workflow.now())
-
-    def next_command(self, kind: CommandKind, speeds: list[float] | None = None) -> Command:
-        self.status.command_seq += 1
-        return Command(seq=self.status.command_seq, kind=kind, speeds=speeds or [])
-
-    async def command(self, kind: CommandKind, summary: str, speeds: list[float] | None = None) -> None:
-        command = self.next_command(kind, speeds)
-        await asyncio.gather(*(calls.command(self.run_id, node, command, summary) for node in self.status.nodes))
+            )
+            return
+        book.status.progress.step = target
+        book.move(RunState.COMPLETED)
 
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.
         (A node that left the group earlier was released by its drain or vacated by the self-test its
         quarantine started, or died with the ranks on it.)"""
-        await asyncio.gather(*(calls.release(self.run_id, n) for n in self.status.nodes), return_exceptions=True)
-        await calls.release_nodes(self.run_id)
+        status = self.book.status
+        release = ReleaseRanks(run_id=status.run_id, nodes=status.nodes)
+        try:
+            await calls.release(release, f"release the run on its {len(status.nodes)} nodes")
+        except Exception as exc:  # a node that is gone has nothing to release; the fleet still takes them back
+            workflow.logger.warning("release incomplete: %s", exc)
+        await calls.release_nodes(status.run_id)
 
-    def set_state(self, state: RunState, note: str = "") -> None:
-        self.status.state = state
-        workflow.set_current_details(health_table(self.status, note))
-        self._list(RUN_STATE.value_set(state.value))
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _continue_as_new_due(self, between_generations: bool) -> bool:
+        if not workflow.info().is_continue_as_new_suggested() or self.book.state.terminal:
+            return False
+        if self.inbox.requests:  # a person waits for its answer from this segment
+            return False
+        self.suggested_at = self.suggested_at or workflow.now()
+        return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
+
+    def _checkpoint_seconds(self) -> float | None:
+        return checkpoint_seconds(self.book.status, workflow.now())
+
+    def _checkpoint_steps(self) -> float:
+        return checkpoint_steps(self.book.status, workflow.now())
+
+    def _show(self, status: RunStatus, note: str) -> None:
+        """The web UI's view of a change of state: the run's details, and what runs are listed by.
+        (At once: a command the workflow defers to a later point would land in a different workflow
+        task on replay when a local activity's result arrives with other events.)"""
+        workflow.set_current_details(health_table(status, note))
+        self._list(RUN_STATE.value_set(status.state.value))
+
+    def _refused(self, current: RunState, to: RunState, note: str) -> None:
+        workflow.logger.warning("the run stays %s: the lifecycle has no move to %s (%s)", current, to, note)
+
+    def _list_progress(self, status: RunStatus) -> None:
+        """Refresh Step and Goodput between state changes, at most every LISTING_REFRESH."""
+        if self.listed_at is None or workflow.now() - self.listed_at >= LISTING_REFRESH:
+            self._list()
 
     def _list(self, *updates: SearchAttributeUpdate) -> None:
         """Upsert what the web UI lists and filters runs by: Step and Goodput, and any `updates`."""
-        status, self.listed_at = self.status, workflow.now()
+        status, self.listed_at = self.book.status, workflow.now()
         goodput = ledger(status, workflow.now()).goodput
         workflow.upsert_search_attributes([*updates, STEP.value_set(status.progress.step), GOODPUT.value_set(goodput)])
 

@@ -6,42 +6,41 @@ tallies while a straggler is known. Each rung is bought once the rent paid on th
 its price, and an eviction also has to pass core.eviction (the diagnosis, the payback against the
 run's remaining time, one per hour, never twice in one rack without a person). Evicting is a drain
 (auto-cordon): the survivors keep their processes and a spare takes the node's place, or the run
-shrinks. Workflow code: it decides and calls activities, nothing else.
+shrinks: `climb` returns the drain for the workflow to carry out.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from temporalio import workflow
 
 from workflows import calls
+from workflows.inbox import Request
 from workflows.incidents import page
 
 with workflow.unsafe.imports_passed_through():
+    from core.control import CommandRanks
     from core.diagnosis import NO_TELEMETRY, Diagnosis
     from core.escalation import Escalation, Strategy, costs, next_strategy
     from core.events import SlowdownFound, StragglerFound
     from core.eviction import Eviction, should_evict
     from core.paging import environmental
     from core.run import Detection, RunState
-    from workflows.requests import Request
-
-if TYPE_CHECKING:
-    from workflows.run import RunWorkflow
+    from core.runbook import RunBook
 
 # R before the run has restarted once: seed 003's 10 minutes at scale.
 PRIOR_RESTART_S = 600.0
 
 
-async def straggler(run: RunWorkflow, event: StragglerFound) -> None:
+async def straggler(book: RunBook, event: StragglerFound) -> None:
     """One rank is slow and correct: record it with its diagnosis, mark its node suspect, and start
     paying rent on S1 (do nothing: most slow-failures end on their own)."""
     verdict = event.verdict
+    status = book.status
     detection = Detection(
         at=workflow.now(),
-        generation=run.status.generation,
+        generation=status.generation,
         kind="straggler",
         step=event.step,
         ratio=event.ratio,
@@ -53,46 +52,49 @@ async def straggler(run: RunWorkflow, event: StragglerFound) -> None:
     )
     await calls.mark_suspect(event.node, f"straggler: rank {event.rank} at {event.ratio:.2f}× ({detection.diagnosis})")
     detection.actions.append(f"marked {event.node} suspect in the fleet")
-    run.status.detections.append(detection)
-    if run.status.escalation is None and run.spec.hooks:
-        run.status.escalation = Escalation(
-            generation=run.status.generation,
+    book.detect(detection)
+    if status.escalation is None and book.spec.hooks:
+        status.escalation = Escalation(
+            generation=status.generation,
             rank=event.rank,
             node=event.node,
             rack=event.rack or "unknown",
             ratio=event.ratio,
             verdict=verdict,
-            paid_before_s=run.status.straggler_seconds,
+            # The rent the report carries was paid to this straggler while it was being detected.
+            paid_before_s=status.straggler_seconds - event.progress.straggler_s,
         )
         detection.actions.append("S1: wait, paying the slowdown as rent until a remedy costs less")
     workflow.logger.warning("straggler: rank %s on %s at %.2fx", event.rank, event.node, event.ratio)
 
 
-async def climb(run: RunWorkflow) -> None:
-    """After each tally of slowness: buy the next rung once the rent paid exceeds its price."""
-    status = run.status
+async def climb(book: RunBook) -> Request | None:
+    """After each tally of slowness: buy the next rung once the rent paid exceeds its price. S3 and
+    S4 are a drain of the straggler's node, which this returns for the workflow to carry out."""
+    status = book.status
     ladder = status.escalation
     if ladder is None or ladder.settled is not None or status.state != RunState.RUNNING:
-        return
+        return None
     if ladder.generation != status.generation:  # the group was rebuilt: its ranks are not the ones measured
         status.escalation = None
-        return
+        return None
     verdict = ladder.verdict or NO_TELEMETRY
-    restart_s = measured_restart(run)
+    restart_s = measured_restart(book)
     compute_bound = verdict.diagnosis not in (Diagnosis.NODE_LINK, Diagnosis.NETWORK_CONTENTION)
-    prices = costs(restart_s, status.progress.step_seconds_p50, bool(run.spare_candidates()), compute_bound)
+    prices = costs(restart_s, status.progress.step_seconds_p50, bool(book.spare_candidates()), compute_bound)
     paid = status.straggler_seconds - ladder.paid_before_s
     rung = next_strategy(ladder.strategy, paid, prices)
     if rung == ladder.strategy:
-        return
+        return None
     detection = next(d for d in reversed(status.detections) if d.kind == "straggler" and d.node == ladder.node)
     if rung == Strategy.S2_REBALANCE:
         ladder.strategy, ladder.paid_before_s = rung, status.straggler_seconds
         speeds = [1 / ladder.ratio if rank == ladder.rank else 1.0 for rank in range(status.world_size)]
         detection.actions.append(f"S2 after {paid:.1f}s of slowdown paid: rebalance micro-batches by speed")
-        await run.command("rebalance", f"rebalance micro-batches: rank {ladder.rank} at 1/{ladder.ratio:.2f}", speeds)
-        return
-    remaining = (run.spec.target_step or status.progress.step) - status.progress.step
+        command = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=book.command("rebalance", speeds))
+        await calls.command(command, f"rebalance micro-batches: rank {ladder.rank} at 1/{ladder.ratio:.2f}")
+        return None
+    remaining = (book.spec.target_step or status.progress.step) - status.progress.step
     decision = should_evict(
         verdict,
         ladder.rack,
@@ -106,7 +108,7 @@ async def climb(run: RunWorkflow) -> None:
     if not decision.evict:
         ladder.settled = f"refused {rung.value}: {decision.reason}"
         detection.actions.append(f"{paid:.0f}s of slowdown paid; {ladder.settled}")
-        return
+        return None
     ladder.strategy, ladder.paid_before_s, ladder.settled = rung, status.straggler_seconds, "evicted"
     status.evictions.append(
         Eviction(at=workflow.now(), node=ladder.node, rack=ladder.rack, diagnosis=verdict.diagnosis)
@@ -114,26 +116,26 @@ async def climb(run: RunWorkflow) -> None:
     how = "re-place it on a spare" if rung == Strategy.S3_REPLACE else "restart without it"
     detection.actions.append(f"{rung.value} after {paid:.0f}s of slowdown paid: {decision.reason}; {how}")
     reason = f"rank {ladder.rank} at {ladder.ratio:.2f}×: {rung.value}"
-    run.requests.append(Request(kind="drain", node=ladder.node, reason=reason, by="straggler escalation"))
+    return Request(kind="drain", node=ladder.node, reason=reason, by="straggler escalation")
 
 
-async def settle(run: RunWorkflow, resolved: bool) -> None:
+async def settle(book: RunBook, resolved: bool) -> None:
     """An eviction's outcome is known: the run ran healthy windows after it (resolved) or found a
     straggler again (not). The fleet learns it, for every later run's P(healthy)."""
-    ladder = run.status.escalation
+    ladder = book.status.escalation
     if ladder is None or ladder.settled != "evicted":
         return
-    await calls.record_eviction(ladder.node, run.run_id, resolved)
-    run.status.escalation = None
+    await calls.record_eviction(ladder.node, book.status.run_id, resolved)
+    book.status.escalation = None
 
 
-def measured_restart(run: RunWorkflow) -> float:
+def measured_restart(book: RunBook) -> float:
     """R: the median of this run's measured restarts, the seed's prior before the first."""
-    measured = [i.restart_seconds for i in run.status.interruptions if i.restart_seconds is not None]
+    measured = [i.restart_seconds for i in book.status.interruptions if i.restart_seconds is not None]
     return statistics.median(measured) if measured else PRIOR_RESTART_S
 
 
-async def slowdown(run: RunWorkflow, event: SlowdownFound) -> None:
+async def slowdown(book: RunBook, event: SlowdownFound) -> None:
     """Every rank is slow together: the absolute check against healthy runs caught what the relative
     one cannot. An environmental cause pages facilities; no node is evicted for it."""
     verdicts = list(event.verdicts.values())
@@ -141,7 +143,7 @@ async def slowdown(run: RunWorkflow, event: SlowdownFound) -> None:
     leading = (shared or verdicts)[0] if verdicts else None
     detection = Detection(
         at=workflow.now(),
-        generation=run.status.generation,
+        generation=book.status.generation,
         kind="slowdown",
         step=event.step,
         ratio=event.ratio,
@@ -154,9 +156,8 @@ async def slowdown(run: RunWorkflow, event: SlowdownFound) -> None:
         ],
         paging=environmental(event.ratio, leading.evidence) if shared and leading else None,
     )
-    run.status.detections.append(detection)
+    book.detect(detection)
     if detection.paging is not None:
-        await page(
-            run, detection.paging, f"every rank {event.ratio:.2f}× slower than healthy runs at step {event.step}"
-        )
+        summary = f"every rank {event.ratio:.2f}× slower than healthy runs at step {event.step}"
+        await calls.send_page(page(book, detection.paging, summary))
     workflow.logger.warning("slowdown: %.2fx the baseline (%s)", event.ratio, leading.diagnosis if leading else "?")

@@ -11,8 +11,7 @@ from temporalio.client import Client
 
 from core.escalation import Strategy, rebalance
 from core.run import RunState
-from core.telemetry import StepReport
-from tests.helpers import RecordCollector, start, tiny_spec, wait_until
+from tests.helpers import RecordCollector, start, step_reports, tiny_spec, wait_until
 from workflows.run import RunWorkflow
 
 # The straggler slows device time only. At 60 ms it is most of a step, so the throughput the straggler
@@ -42,13 +41,13 @@ async def test_a_rank_slowed_1_5x_is_rebalanced_and_most_of_the_lost_throughput_
         faults=[{"kind": "straggler", "rank": 2, "factor": 1.5, "from_step": SLOW_FROM}],
     )
     handle = await start(client, spec, "rebalance")
-    collector = RecordCollector(handle)
+    collector = RecordCollector(client, handle)
     await wait_until(handle, lambda s: s.escalation is not None and s.escalation.strategy == Strategy.S2_REBALANCE)
     result = await handle.result()
     records = collector.stop()
     assert result.state == RunState.COMPLETED and result.interruptions == [], "rebalancing stops nothing"
 
-    reports = [r.message for r in records if isinstance(r.message, StepReport)]
+    reports = step_reports(records)
     finished = {s: max(r.at for r in reports if r.step == s) for s in {r.step for r in reports}}
     share = {(r.step, r.rank): len(r.samples) for r in reports}
     rebalanced = min(s for (s, rank), n in share.items() if rank == 2 and n < 8)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 
+from activities.fleet import FleetClient
 from core.fleet import NodeState
 from core.fleet_requests import Acquire, Release
 from core.run import Cause, RunState
@@ -19,6 +20,7 @@ from tests.helpers import (
     fleet_nodes,
     rank_pids,
     start,
+    step_reports,
     tiny_spec,
     wait_for_fleet,
     wait_for_step,
@@ -53,7 +55,7 @@ async def running_past(client: Client, handle: WorkflowHandle, step: int) -> Non
 
 async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, checkpoint_root: Path) -> None:
     handle = await start(client, tiny_spec(checkpoint_root, target_step=150), "drain-spare")
-    collector = RecordCollector(handle)
+    collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
@@ -70,33 +72,42 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
 
     # The history reads as the auto-cordon sequence: drain → wait → checkpoint → resize → resume.
     log = await activity_log(client, handle)
-    hold = log.index(("scheduled", "send_command", "n1: drain n2: finish the in-flight step, checkpoint it, hold"))
+    hold = log.index(("local", "command", "drain n2: finish the in-flight step, checkpoint it, hold"))
     after = log[hold:]
-    wait = next(i for i, e in enumerate(after) if e[:2] == ("completed", "await_hold"))
-    checkpoint = next(
+    wait = next(
         i
-        for i, (kind, name, judged) in enumerate(after)
-        if (kind, name) == ("signaled", "checkpoint_judged") and judged["checkpoint"]["step"] == drain.step  # type: ignore[index]
+        for i, (kind, name, ended) in enumerate(after)
+        if (kind, name) == ("completed", "monitor_run") and ended["event"]["kind"] == "held"  # type: ignore[index]
+    )
+    # The held step's verdict travels with the monitor's end; a keeper that judged it before every
+    # rank held signals it on its own.
+    held_verdict = (after[wait][2]["event"]["judged"] or {}).get("checkpoint", {})  # type: ignore[index]
+    checkpoint = (
+        wait
+        if held_verdict.get("step") == drain.step
+        else next(
+            i
+            for i, (kind, name, judged) in enumerate(after)
+            if (kind, name) == ("signaled", "checkpoint_judged") and judged["checkpoint"]["step"] == drain.step  # type: ignore[index]
+        )
     )
     resize = next(i for i, e in enumerate(after) if e[:2] == ("local", "replace_node"))
-    relaunch = next(i for i, e in enumerate(after) if e[:2] == ("scheduled", "run_ranks"))
+    relaunch = next(i for i, e in enumerate(after) if e[:2] == ("local", "launch"))
     resume = next(
         i
         for i, (kind, name, report) in enumerate(after)
         if (kind, name) == ("signaled", "monitor_report") and report["event"]["kind"] == "first_step"  # type: ignore[index]
     )
-    # The checkpoint is of the held step, so it was written after the wait; but the keeper judging it
-    # runs beside `await_hold`, and its verdict can be recorded first (seen once in four clean runs).
-    # What the sequence needs is that the group changes only once both are in.
+    # The group changes only once every rank holds and the held step's checkpoint is judged.
     assert min(wait, checkpoint) > 0 and max(wait, checkpoint) < resize < relaunch < resume
-    reports = [r.message for r in collector.stop() if isinstance(r.message, StepReport)]
+    reports = step_reports(collector.stop())
     assert samples_once(reports, [drain.step or 0], 150), "no sample lost or repeated across the resize"
 
 
 async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: Client, checkpoint_root: Path) -> None:
     spec = tiny_spec(checkpoint_root, target_step=120, spare_nodes=[], min_nodes=1)
     handle = await start(client, spec, "drain-shrink")
-    collector = RecordCollector(handle)
+    collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="shrink"))
@@ -106,20 +117,20 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
     assert result.state == RunState.COMPLETED
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["n1"] and status.world_size == 2
-    reports = [r.message for r in collector.stop() if isinstance(r.message, StepReport)]
+    reports = step_reports(collector.stop())
     assert {len(r.samples) for r in reports if r.generation == 1} == {GLOBAL_BATCH // 2}
     assert samples_once(reports, [result.interruptions[0].step or 0], 120)
 
 
 async def test_below_the_minimum_the_run_waits_for_a_node(client: Client, checkpoint_root: Path) -> None:
     fleet = fleet_handle(client)
-    await fleet.execute_update(FleetWorkflow.acquire, Acquire(run_id="blocker/00000000", wanted=["n3"]))
+    await FleetClient(fleet).ask(Acquire(run_id="blocker/00000000", wanted=["n3"]))
     handle = await start(client, tiny_spec(checkpoint_root, target_step=120), "wait-for-node")
     await running_past(client, handle, 30)
     drain = asyncio.ensure_future(handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="out")))
     await wait_until(handle, lambda s: s.state == RunState.STOPPED and "waiting for nodes" in s.failure)
     await asyncio.sleep(3)  # nobody trains while the run is below its minimum
-    await fleet.execute_update(FleetWorkflow.release, Release(run_id="blocker/00000000"))
+    await FleetClient(fleet).ask(Release(run_id="blocker/00000000"))
     assert "held at step" in await drain
     result = await handle.result()
     assert result.state == RunState.COMPLETED

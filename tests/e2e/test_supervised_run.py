@@ -17,6 +17,7 @@ from tests.helpers import (
     RecordCollector,
     rank_pids,
     start,
+    step_reports,
     tiny_spec,
     wait_for_step,
     wait_until,
@@ -47,7 +48,7 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
 ) -> None:
     spec = tiny_spec(checkpoint_root, target_step=100)
     handle = await start(client, spec, "kill-rank")
-    collector = RecordCollector(handle)
+    collector = RecordCollector(client, handle)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
     pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)
@@ -61,7 +62,7 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
     assert crash.lost_steps == (crash.step or 0) - crash.resumed_from
     assert crash.restart_seconds is not None and crash.restart_seconds > 0
 
-    reports = [r.message for r in collector.stop() if isinstance(r.message, StepReport)]
+    reports = step_reports(collector.stop())
     lineage = final_lineage_samples(reports, result, target=100)
     assert sorted(lineage) == list(range(1, 101))
     consumed = [position for step in sorted(lineage) for position in lineage[step]]

@@ -1,5 +1,6 @@
-"""The simulator stands in for every real activity: the same name, argument types and result type on
-the same task queue. A real activity added or changed without its simulated twin fails here, not as a
+"""The simulator stands in for every real activity that touches nodes, telemetry or storage: the same
+name, argument types and result type. (The fleet's and the pages' activities are the real ones in a
+simulated run.) A real activity added or changed without its simulated twin fails here, not as a
 simulated run that waits forever for an activity nobody serves."""
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from typing import Any
 from temporalio import activity
 
 import activities.checkpoints
-import activities.monitor
 import activities.paging
-from activities.fleet import FleetActivities
-from agent.node import NodeActivities
-from sim.activities import SimulatedNode, SimulatedSupervisor
+from activities.monitor import MonitorActivities
+from activities.nodes import NodeActivities
+from sim.activities import SimulatedSupervisor
 from sim.cluster import FailureSchedule, SimulatedCluster
 
 
@@ -29,12 +29,7 @@ def declared(*owners: type | ModuleType) -> list[Callable[..., Any]]:
     return [f for owner in owners for f in vars(owner).values() if callable(f)]
 
 
-def test_every_node_activity_has_a_simulated_twin() -> None:
-    simulated = SimulatedNode(SimulatedCluster(["n1"], FailureSchedule()), "n1")
-    assert signatures(simulated.activities()) == signatures(declared(NodeActivities))
-
-
-def test_every_supervisor_activity_has_a_simulated_twin() -> None:
+def test_every_supervisor_activity_on_nodes_telemetry_or_storage_has_a_simulated_twin() -> None:
     simulated = SimulatedSupervisor(SimulatedCluster(["n1"], FailureSchedule()))
-    real = declared(activities.monitor, activities.checkpoints, activities.paging, FleetActivities)
+    real = declared(MonitorActivities, NodeActivities, activities.checkpoints, activities.paging)
     assert signatures(simulated.activities()) == signatures(real)

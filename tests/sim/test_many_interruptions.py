@@ -41,7 +41,7 @@ from temporalio.testing import WorkflowEnvironment
 from core.paging import PagingClass
 from core.run import Cause, RunResult, RunState
 from sim.cluster import FailureSchedule, SimulatedCluster
-from sim.workers import simulated_workers
+from sim.workers import register, simulated_workers
 from tests.helpers import tiny_spec
 from workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
 from workflows.run import TASK_QUEUE, RunWorkflow
@@ -102,6 +102,7 @@ async def simulate(client: Client, root: Path, interruptions: int, server: str) 
     cluster = SimulatedCluster([*spec.nodes, *spec.spare_nodes], schedule, step_seconds=0.0002)
     began = time.monotonic()
     async with asyncio.timeout(STALL_S), simulated_workers(client, cluster):
+        await register(client, spec.nodes, spec.spare_nodes)
         handle = await client.start_workflow(RunWorkflow.run, spec, id="many-interruptions", task_queue=TASK_QUEUE)
         await closed(client.get_workflow_handle(handle.id))
     segments = await history_segments(client, handle.id)
@@ -239,7 +240,7 @@ async def history_segments(client: Client, workflow_id: str) -> list[list[Histor
 
 
 def is_interruption(event: HistoryEvent) -> bool:
-    """The event that tells the workflow of a crash: a `run_ranks` that completed with RankFailed."""
+    """The event that tells the workflow of a crash: the generation's monitor completed with RankFailed."""
     if event.event_type != EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
         return False
     payloads = event.activity_task_completed_event_attributes.result.payloads

@@ -1,0 +1,208 @@
+"""The supervisor's activities that act on nodes: each carries one request (core.control) to the node
+agents of a run, many at once, over their hubs, whose addresses the fleet keeps.
+
+This is the run's fan-out to its nodes. It lives in activities, not in workflow history: whatever the
+width, a launch is one local activity, and a node that does not answer is named in the result (a lost
+node to replace), never an error that fails the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import structlog
+from temporalio import activity
+
+from activities.fleet import FleetActivities
+from activities.hubs import NoAnswer, ask, ask_each
+from core.control import (
+    CommandRanks,
+    DumpStacks,
+    HangInput,
+    HangStacks,
+    Prepare,
+    Prepared,
+    Released,
+    ReleaseRanks,
+    ReleaseRun,
+    RunSelfTest,
+    SelfTested,
+    SendCommand,
+    Sent,
+    StackDump,
+    StartRanks,
+)
+from core.detectors import culprit, main_thread
+from core.fleet import SelfTestResult
+from core.fleet_requests import SelfTestInput
+from core.launch import Launch, Launched, NodeLaunch
+from training.checkpoint import within_root
+
+log = structlog.get_logger()
+
+# Starting ranks takes longer than answering: a warm standby may still be warming, a cold one forks.
+START_ALLOWANCE_S = 60.0
+COMMAND_WITHIN_S = 10.0
+STACKS_WITHIN_S = 15.0  # the agent waits up to 3 s for its ranks' dumps
+RELEASE_WITHIN_S = 30.0  # ranks get 5 s after SIGTERM before SIGKILL
+SELF_TEST_LIMIT_S = 600.0
+HEARTBEAT_S = 5.0
+
+
+class NodeActivities:
+    def __init__(self, fleet: FleetActivities) -> None:
+        self.fleet = fleet
+
+    @activity.defn
+    async def launch(self, request: Launch) -> Launched:
+        """Every node's agent is asked whether it is there (the first opens the generation's fresh
+        rendezvous store); only when all answered is each sent its part of the generation."""
+        nodes, host = request.nodes, request.nodes[0]
+        hubs = await self.fleet.hubs(nodes)
+        ready, missing = await ask_each(
+            hubs,
+            nodes,
+            lambda node: Prepare(run_id=request.run_id, generation=request.generation, open_store=node == host),
+            request.answer_within,
+        )
+        if missing:
+            log.warning("launch: nodes did not answer", run_id=request.run_id, unreachable=sorted(missing))
+            return Launched(unreachable=missing)
+        prepared = ready[host]
+        assert isinstance(prepared, Prepared) and prepared.rendezvous is not None
+        index = {node: i for i, node in enumerate(nodes)}
+        _, missing = await ask_each(
+            hubs,
+            nodes,
+            lambda node: StartRanks(launch=NodeLaunch.of(request, index[node], prepared.rendezvous)),  # type: ignore[arg-type]
+            request.answer_within + START_ALLOWANCE_S,
+        )
+        log.info(
+            "generation launched",
+            run_id=request.run_id,
+            generation=request.generation,
+            nodes=len(nodes),
+            unreachable=sorted(missing),
+        )
+        return Launched(rendezvous=str(prepared.rendezvous), unreachable=missing)
+
+    @activity.defn
+    async def command(self, request: CommandRanks) -> int:
+        """The command to every rank of the run on these nodes; how many ranks it reached. A node that
+        did not take it is lost or about to be, which the run monitor reports."""
+        hubs = await self.fleet.hubs(request.nodes)
+        sent, missing = await ask_each(
+            hubs,
+            request.nodes,
+            lambda _: SendCommand(run_id=request.run_id, command=request.command),
+            COMMAND_WITHIN_S,
+        )
+        if missing:
+            log.warning("command not delivered everywhere", run_id=request.run_id, unreachable=sorted(missing))
+        return sum(answer.reached for answer in sent.values() if isinstance(answer, Sent))
+
+    @activity.defn
+    async def release(self, request: ReleaseRanks) -> int:
+        """Stop the run's ranks on these nodes and free its memory there; how many were still running.
+        A node whose agent is gone has nothing left to release."""
+        hubs = await self.fleet.hubs(request.nodes)
+        released, missing = await ask_each(
+            hubs, request.nodes, lambda _: ReleaseRun(run_id=request.run_id), RELEASE_WITHIN_S
+        )
+        if missing:
+            log.warning("release: nodes did not answer", run_id=request.run_id, unreachable=sorted(missing))
+        return sum(answer.stopped for answer in released.values() if isinstance(answer, Released))
+
+    @activity.defn
+    async def dump_stacks(self, request: HangInput) -> HangStacks:
+        """Every live rank's Python stacks, kept in one file under the run's directory: each distinct
+        stack once, with the ranks that share it, and the rank whose stack stands out."""
+        hubs = await self.fleet.hubs(request.nodes)
+        async with _heartbeating():
+            dumps, missing = await ask_each(
+                hubs, request.nodes, lambda _: DumpStacks(run_id=request.run_id), STACKS_WITHIN_S
+            )
+        stacks = {rank: text for d in dumps.values() if isinstance(d, StackDump) for rank, text in d.stacks.items()}
+        suspects = culprit(stacks)
+        found = suspects[0] if len(suspects) == 1 else None
+        if found is not None:
+            summary = f"rank {found}'s stack differs from the other {len(stacks) - 1}"
+        else:
+            summary = f"no single rank's stack stands out (suspects: {_ranks(suspects[:8]) or 'none'})"
+        artifact = _write(request, stacks, suspects, summary, missing) if stacks else None
+        log.info("stacks dumped", run_id=request.run_id, ranks=len(stacks), culprit=found, artifact=artifact)
+        return HangStacks(
+            culprit=found, suspects=suspects[:8], ranks_dumped=len(stacks), artifact=artifact, summary=summary
+        )
+
+    @activity.defn
+    async def self_test(self, input: SelfTestInput) -> SelfTestResult:
+        """Ask a quarantined node's agent to vacate the node and run its checks. An agent that cannot
+        be reached within `answer_within` has not run it: the node stays quarantined."""
+        deadline = asyncio.get_running_loop().time() + input.answer_within
+        async with _heartbeating():
+            while True:
+                try:
+                    answer = await ask(input.hub, RunSelfTest(node=input.node), SELF_TEST_LIMIT_S)
+                except NoAnswer as exc:
+                    if asyncio.get_running_loop().time() < deadline and "unreachable" in str(exc):
+                        await asyncio.sleep(1.0)
+                        continue
+                    detail = (
+                        f"self-test not started: the node agent did not pick it up within {input.answer_within:g}s "
+                        f"(agent down?): {exc}"
+                    )
+                    return SelfTestResult(node=input.node, passed=False, checks={}, detail=detail, at=datetime.now(UTC))
+                assert isinstance(answer, SelfTested)
+                return answer.result
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _write(
+    request: HangInput, stacks: dict[int, str], suspects: list[int], summary: str, missing: dict[str, str]
+) -> str:
+    """One file a person reads: the finding, then each distinct main-thread stack with its ranks."""
+    groups: dict[tuple[tuple[str, str], ...], list[int]] = defaultdict(list)
+    for rank in sorted(stacks):
+        groups[tuple(main_thread(stacks[rank]))].append(rank)
+    lines = [
+        f"run {request.run_id}, generation {request.generation}: no step after {request.step}",
+        summary,
+        f"{len(stacks)} ranks dumped their stacks; {len(groups)} distinct main-thread stacks",
+        *(f"no stacks from {node}: {why}" for node, why in sorted(missing.items())),
+        "",
+    ]
+    for ranks in sorted(groups.values(), key=len):
+        shown = ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+        marker = "  <- stands out" if set(ranks) & set(suspects) else ""
+        lines += [f"== ranks {shown}{marker}", stacks[ranks[0]].rstrip() or "(no Python frames)", ""]
+    directory = within_root(request.directory, Path(request.directory) / "incidents")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"hang-g{request.generation}-step{request.step}.txt"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+@contextlib.asynccontextmanager
+async def _heartbeating() -> AsyncIterator[None]:
+    """Heartbeat while a long answer is awaited, so the activity is not taken for dead."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

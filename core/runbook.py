@@ -1,0 +1,247 @@
+"""The run's book: its state (RunStatus) and every change to it, in one place.
+
+RunWorkflow is a thin shell over a RunBook, as FleetWorkflow is over core/fleet.py: the workflow
+waits and calls activities, the book records what came of it. Pure: the time comes in as an argument,
+and a change of state is checked against core/lifecycle.py's table; a move the table does not allow
+is refused and reported to `on_refused`, and the run stays where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from core.events import (
+    CheckpointJudged,
+    FirstStep,
+    MonitorEvent,
+    SlowdownFound,
+    StragglerFound,
+)
+from core.launch import Membership, without_node
+from core.lifecycle import RunState, why
+from core.paging import PLANNED, Classification, PagingClass, classify
+from core.recovery import file_judged, mark_suspect, supersede
+from core.run import Cause, CheckpointRecord, Detection, Interruption, RunStatus
+from core.spec import RunSpec
+from core.telemetry import Command, CommandKind, SdcCheck
+
+
+def _ignore(*_: object) -> None:
+    pass
+
+
+class RunBook:
+    def __init__(
+        self,
+        status: RunStatus,
+        on_move: Callable[[RunStatus, str], None] = _ignore,
+        on_refused: Callable[[RunState, RunState, str], None] = _ignore,
+        on_checkpoint: Callable[[RunStatus], None] = _ignore,
+    ) -> None:
+        self.status = status
+        self.on_move = on_move  # the workflow shows the new state (web UI details, search attributes)
+        self.on_refused = on_refused
+        self.on_checkpoint = on_checkpoint  # a checkpoint was filed: the workflow may refresh what it lists
+        self.held_at: int | None = None  # the step every rank holds at, while a drain or a pause is judged
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.status.spec
+
+    @property
+    def state(self) -> RunState:
+        return self.status.state
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def move(self, to: RunState, note: str = "") -> bool:
+        """Change state if the lifecycle allows it; True when the run is now in `to`."""
+        current = self.status.state
+        if current == to:
+            self.on_move(self.status, note)  # the same state with news (a note for the web UI)
+            return True
+        if why(current, to) is None:
+            self.on_refused(current, to, note)
+            return False
+        self.status.state = to
+        self.on_move(self.status, note)
+        return True
+
+    def stop(self, reason: str) -> None:
+        """Nobody trains until a person (or, below min_nodes, a free node) lets the run go on."""
+        self.status.failure = reason
+        self.move(RunState.STOPPED, reason)
+
+    # -- the timeline --------------------------------------------------------------------------
+
+    def record(self, interruption: Interruption) -> None:
+        """The one place a timeline row is written. The next generation fills in where it resumed."""
+        status = self.status
+        status.interruptions.append(interruption)
+        status.generation += 1
+        if len(status.interruptions) > self.spec.max_restarts:
+            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
+            self.move(RunState.FAILED, status.failure)
+        elif len(status.nodes) < self.spec.min_nodes:
+            self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+
+    def failed(
+        self, interruption: Interruption, baseline_mtbf_s: float, recent_goodput: float | None
+    ) -> Classification:
+        """Record a failure with seed R5's paging class, judged against the timeline before it; the
+        same step failing twice stops the run for a person (data or code, not hardware)."""
+        paging = classify(self.status.interruptions, interruption, baseline_mtbf_s, recent_goodput)
+        interruption.paging = paging
+        self.record(interruption)
+        if paging.paging == PagingClass.DETERMINISTIC:
+            self.stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
+            interruption.actions.append("stopped the run for a person")
+        return paging
+
+    def detect(self, detection: Detection) -> None:
+        """Something that stopped nothing (a straggler, a slowdown, a skipped update)."""
+        self.status.detections.append(detection)
+
+    def resumed(self, step: int) -> None:
+        """The generation starting now resumes from `step`: the last interruption learns its cost."""
+        last = self.status.interruptions[-1] if self.status.interruptions else None
+        if last is not None and last.resumed_from is None:
+            last.resumed_at(step)
+
+    # -- what the monitor reports --------------------------------------------------------------
+
+    def known(self, event: MonitorEvent) -> bool:
+        """Already recorded: a monitor restarted from an older place found it again."""
+        if isinstance(event, StragglerFound):
+            return event.rank in self.status.known_stragglers()
+        return isinstance(event, SlowdownFound) and self.status.slowdown_known()
+
+    def observe(self, event: MonitorEvent) -> None:
+        status = self.status
+        status.progress = event.progress
+        status.straggler_seconds += event.progress.straggler_s  # the monitor counts afresh after each report
+        if not isinstance(event, FirstStep):
+            return
+        at = datetime.fromtimestamp(event.at, UTC)
+        status.first_step_at = status.first_step_at or at
+        last = status.interruptions[-1] if status.interruptions else None
+        if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
+            last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
+            last.restored_from = last.restored_from or event.restored_from
+        if status.state in (RunState.LAUNCHING, RunState.RESUMING):
+            self.move(RunState.RUNNING)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def file_verdicts(self, verdicts: list[CheckpointJudged]) -> None:
+        """The keeper's verdicts on the current generation's checkpoints. One that arrives after its
+        generation ended counts only for what retention deleted: the restart judged storage itself."""
+        status = self.status
+        for judged in verdicts:
+            self._deleted(judged.deleted)
+            if judged.generation != status.generation:
+                continue
+            if any(c.path == judged.checkpoint.path for c in status.checkpoints):
+                continue  # a keeper restarted from an older place judged it again
+            status.verified_step = file_judged(status.checkpoints, status.verified_step, judged.checkpoint)
+            status.progress.step = max(status.progress.step, judged.checkpoint.step)
+            if status.state == RunState.CHECKPOINTING and self.held_at is None:
+                self.move(RunState.RUNNING)
+            self.on_checkpoint(status)
+
+    def file_leftovers(self, found: list[CheckpointRecord]) -> None:
+        """What the last generation committed that nobody had judged, judged before a restart: what
+        ranks halted by an SDC check or sent back by a rollback left is marked as such."""
+        status = self.status
+        status.checkpoints.extend(found)
+        for interruption in status.interruptions:
+            earlier = [c for c in found if c.generation <= interruption.generation]
+            if (check := interruption.sdc_check) is not None:
+                mark_suspect(earlier, interruption.generation, check.last_verified)
+            if interruption.cause == Cause.ROLLBACK and interruption.resumed_from is not None:
+                supersede(earlier, interruption.resumed_from)
+
+    def corrupted(self, check: SdcCheck) -> list[CheckpointRecord]:
+        """A failed SDC check: what was written after the last passing check may hold corrupted state and
+        becomes suspect; the timeline that restarts is verified up to where it starts."""
+        status = self.status
+        suspect = mark_suspect(status.checkpoints, status.generation, check.last_verified)
+        resume = status.latest_valid_checkpoint()
+        status.verified_step = resume.step if resume else 0
+        return suspect
+
+    def judged(self, step: int, generation: int) -> bool:
+        return any(c.step == step and c.generation == generation for c in self.status.checkpoints)
+
+    def _deleted(self, paths: list[str]) -> None:
+        if paths:
+            for record in self.status.checkpoints:
+                if record.path in paths:
+                    record.deleted = True
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def rollback(self, step: int, now: datetime) -> str:
+        """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
+        status = self.status
+        superseded = supersede(status.checkpoints, step)
+        status.verified_step = min(status.verified_step, step)
+        interruption = Interruption(
+            at=now,
+            generation=status.generation,
+            detected_by="operator",
+            cause=Cause.ROLLBACK,
+            step=status.progress.step,
+            detail=f"resume_from step {step}",
+            actions=[f"marked {len(superseded)} later checkpoints superseded"],
+            paging=PLANNED,
+        )
+        interruption.resumed_at(step)  # also what a checkpoint judged only later is measured against
+        self.record(interruption)
+        return f"{len(superseded)} later checkpoints superseded"
+
+    def idled(self, seconds: float) -> None:
+        """The run waited `seconds` for a person or for nodes after its last interruption."""
+        if self.status.interruptions:
+            self.status.interruptions[-1].idle_seconds += seconds
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def spare_candidates(self) -> list[str]:
+        """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
+        return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
+
+    def replaced(self, interruption: Interruption, node: str, spare: str | None) -> Membership:
+        """`node` is quarantined: a spare takes its place, or the group goes on without it."""
+        status, spec = self.status, self.spec
+        membership = without_node(status.nodes, node, spare)
+        interruption.actions.append(f"quarantined {node} in the fleet (self-test running)")
+        if spare:
+            status.spares_used.append(spare)
+            interruption.actions.append(f"replaced {node} with spare {spare}")
+        elif len(membership.nodes) >= spec.min_nodes:
+            interruption.actions.append(f"no spare free: continuing on {len(membership.nodes)} nodes")
+        else:
+            interruption.actions.append(f"no spare free and {len(membership.nodes)} nodes < min {spec.min_nodes}")
+        status.nodes = list(membership.nodes)
+        return membership
+
+    def keep_survivors(self, membership: Membership | None) -> None:
+        """After a hold, the next generation keeps the survivors' processes (newcomers start fresh)."""
+        self.status.membership = membership
+
+    def joined(self, spare: str) -> None:
+        """A free node joins a run that was waiting for one."""
+        status = self.status
+        status.nodes.append(spare)
+        status.spares_used.append(spare)
+        if status.membership is not None:  # survivors are holding: the newcomer takes rank 0's state
+            status.membership.nodes = list(status.nodes)
+            status.membership.newcomers.append(spare)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def command(self, kind: CommandKind, speeds: list[float] | None = None) -> Command:
+        self.status.command_seq += 1
+        return Command(seq=self.status.command_seq, kind=kind, speeds=speeds or [])

@@ -1,0 +1,61 @@
+"""What reaches a run between its decisions: the run monitor's reports and the keeper's verdicts (by
+signal), and what people ask (by signal and update), each in the order it arrived.
+
+The workflow's handlers only put things here; the main loop takes them out and decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from core.events import CheckpointJudged, MonitorEvent, MonitorReport
+
+
+@dataclass
+class Request:
+    """A drain, a pause or a rollback, asked by a person (or by a detector, for a drain)."""
+
+    kind: Literal["drain", "pause", "rollback"]
+    node: str = ""
+    reason: str = ""
+    step: int = 0
+    by: str = "operator"
+    outcome: str | None = None  # set once the main loop has carried it out
+
+
+@dataclass
+class Inbox:
+    reports: list[MonitorReport] = field(default_factory=list)
+    verdicts: list[CheckpointJudged] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    resumed: bool = False  # a person signalled `resume`
+
+    def news(self) -> bool:
+        return bool(self.reports or self.verdicts or self.requests)
+
+    async def wait(self, timeout: timedelta | None = None) -> bool:
+        """Until something arrives (True), or `timeout` passes (False)."""
+        return await self.until(self.news, timeout)
+
+    async def until(self, ready: Callable[[], bool], timeout: timedelta | None = None) -> bool:
+        """Until `ready()` (True), or `timeout` passes (False)."""
+        try:
+            await workflow.wait_condition(ready, timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def events(self, generation: int) -> list[MonitorEvent]:
+        """The monitor's reports on `generation`, oldest first; reports on an older one are stale."""
+        reports, self.reports = self.reports, []
+        return [r.event for r in reports if r.generation == generation]
+
+    def take_verdicts(self) -> list[CheckpointJudged]:
+        verdicts, self.verdicts = self.verdicts, []
+        return verdicts
