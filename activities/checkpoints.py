@@ -50,18 +50,26 @@ class _Loader:
     def __init__(self) -> None:
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        # The answer of a load whose caller was cancelled (the keeper of a generation that ended): the
+        # load goes on and its answer is dropped, and the next caller finds the process warm. Killing
+        # it would make the restart that follows wait for a fresh one to import torch.
+        self._abandoned: asyncio.Future[bytes] | None = None
+
+    async def start(self) -> asyncio.subprocess.Process:
+        """The test-load process, started if it is not running: the worker starts it with itself, so
+        that the first checkpoint a run commits is not judged while torch is still being imported."""
+        if self._process is None or self._process.returncode is not None:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "training.validate", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+        return self._process
 
     async def test_load(self, directory: Path, heartbeat: Callable[[], None]) -> TestLoad:
         async with self._lock:
-            if self._process is None or self._process.returncode is not None:
-                self._process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "training.validate",
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                )
-            process = self._process
+            if self._abandoned is not None:
+                await asyncio.shield(self._abandoned)
+                self._abandoned = None
+            process = await self.start()
             assert process.stdin is not None and process.stdout is not None
             process.stdin.write(f"{directory}\n".encode())
             await process.stdin.drain()
@@ -71,7 +79,7 @@ class _Loader:
                     heartbeat()
                     await asyncio.wait([answer], timeout=2.0)
             except asyncio.CancelledError:
-                process.kill()  # it is mid-load: a fresh one serves the next request
+                self._abandoned = answer
                 raise
             line = answer.result()
             if not line:
@@ -79,7 +87,7 @@ class _Loader:
             return TestLoad.model_validate_json(line)
 
 
-_loader = _Loader()
+test_loader = _Loader()
 
 
 async def validate(root: str, path: str, reference: CheckpointRecord | None, heartbeat: Callable[[], None]) -> Verdict:
@@ -88,7 +96,7 @@ async def validate(root: str, path: str, reference: CheckpointRecord | None, hea
         directory = within_root(root, path)
     except CheckpointError as exc:
         return Verdict(validated=False, reason=str(exc))
-    result = await _loader.test_load(directory, heartbeat)
+    result = await test_loader.test_load(directory, heartbeat)
     if not result.ok:
         return Verdict(validated=False, reason="; ".join(result.problems))
     history = [reference] if reference is not None else []

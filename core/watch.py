@@ -66,6 +66,7 @@ class GenerationWatch:
         self.held: dict[int, int] = {}  # rank → the step it holds at
         self.witness: RankFailed | None = None  # a rank that died of a lost peer, and until when it waits
         self.witness_until = 0.0
+        self.first: CompletedStep | None = None  # the generation's first step, once it is done
 
     # -- what comes in -------------------------------------------------------------------------
 
@@ -97,14 +98,16 @@ class GenerationWatch:
         events: list[MonitorEvent] = []
         for done in self.ingest.complete():
             self.watchdog.progress(done.step, done.at, done.step_time)
+            if self.await_first_step and self.first is None and done.step > self.input.resume_step:
+                self.first = done  # when the generation's first step was done, not when it was read
             if (event := self._judge(done, now)) is not None:
                 events.append(event)
-        if events or not self.await_first_step:
-            return events
-        summary = self.ingest.summary()
-        if summary.step > self.input.resume_step:
-            return [FirstStep(step=summary.step, at=summary.at, restored_from=self.restored_from, progress=summary)]
-        return []
+        if self.await_first_step and (first := self.first) is not None:
+            summary = self.summary()
+            events.insert(
+                0, FirstStep(step=first.step, at=first.at, restored_from=self.restored_from, progress=summary)
+            )
+        return events
 
     def tick(self, now: float, wall: float) -> MonitorEvent | None:
         """Once in a while (every second or so): a silent node, a witness that waited long enough, a

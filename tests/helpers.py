@@ -74,12 +74,12 @@ async def hubs(client: Client, nodes: list[str]) -> dict[str, str]:
     return await fleet_handle(client).query(FleetWorkflow.hubs, nodes)
 
 
-async def read_records(hub: str, run_id: str, quiet: float = 0.5) -> list[Record]:
-    """Every record a node agent holds for the run, read the way the run monitor reads them, until
-    nothing more comes for `quiet` seconds."""
+async def read_records(hub: str, run_id: str, only: list[str] | None = None, quiet: float = 0.5) -> list[Record]:
+    """Every record (of the kinds in `only`) a node agent holds for the run, read the way the run
+    monitor reads them, until nothing more comes for `quiet` seconds."""
     address = Endpoint.parse(hub)
     reader, writer = await asyncio.open_connection(address.host, address.port)
-    writer.write(Subscribe(run_id=run_id).model_dump_json().encode() + b"\n")
+    writer.write(Subscribe(run_id=run_id, only=only).model_dump_json().encode() + b"\n")
     await writer.drain()
     records: list[Record] = []
     try:
@@ -104,14 +104,20 @@ async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[in
     while True:
         status = await handle.query(RunWorkflow.status_query)
         where = await hubs(client, status.nodes)
-        pids: dict[str, dict[int, int]] = {}
-        for node in status.nodes:
-            hellos = [r.message for r in await read_records(where[node], status.run_id, quiet=0.3)]
-            current = [m for m in hellos if isinstance(m, Hello) and m.generation == status.generation]
-            pids[node] = {m.rank: m.pid for m in current}
+        read = await asyncio.gather(
+            *(read_records(where[n], status.run_id, ["hello"], quiet=0.1) for n in status.nodes)
+        )
+        pids = {
+            node: {
+                m.rank: m.pid
+                for r in records
+                if isinstance(m := r.message, Hello) and m.generation == status.generation
+            }
+            for node, records in zip(status.nodes, read, strict=True)
+        }
         if all(len(p) == status.spec.ranks_per_node for p in pids.values()) or time.monotonic() > deadline:
             return pids
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)
 
 
 class RecordCollector:
@@ -171,6 +177,20 @@ def step_reports(records: list[Record]) -> list[StepReport]:
         for i, samples in enumerate(steps.samples)
         if samples or not math.isnan(steps.compute_s[i])
     ]
+
+
+def samples_once(reports: list[StepReport], resumed: list[int], target: int, global_batch: int) -> bool:
+    """Every sample position up to the target read exactly once along the run's final lineage:
+    generation g's steps after where it resumed and up to where the next one resumed."""
+    starts, ends = [0, *resumed], [*resumed, target]
+    consumed = [
+        p
+        for generation, (first, last) in enumerate(zip(starts, ends, strict=True))
+        for r in reports
+        if r.generation == generation and first < r.step <= last
+        for p in r.samples
+    ]
+    return sorted(consumed) == list(range(target * global_batch))
 
 
 async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:

@@ -152,11 +152,15 @@ class DevStack:
         shm = Path("/dev/shm")
         return (shm if shm.is_dir() else self.state_dir) / f"stayalive-{self.port}"
 
-    def start_agent(self, node: str) -> None:
+    def start_agent(self, node: str, spare: bool | None = None, standby: int | None = None) -> None:
+        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says), with this
+        stack's warm standbys unless `standby` says how many."""
+        spare = node in self.spares if spare is None else spare
+        standby = self.standby if standby is None else standby
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
-        argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if node in self.spares else [])]
+        argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
-        argv += ["--standby", str(self.standby)] if self.standby is not None else []
+        argv += ["--standby", str(standby)] if standby is not None else []
         self._spawn(f"agent-{node}", argv)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -23,7 +23,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
-from activities.checkpoints import choose_checkpoint
+from activities.checkpoints import choose_checkpoint, test_loader
 from activities.fleet import FleetActivities
 from activities.metrics import Exporter, refresh
 from activities.monitor import MonitorActivities
@@ -113,6 +113,7 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
     )
     await ensure_search_attributes(client)
     await ensure_fleet(client)
+    await test_loader.start()
     exporter = Exporter()
     exporter.serve(metrics_port, host=metrics_host)
     metrics = asyncio.create_task(refresh(client, exporter))

@@ -19,6 +19,7 @@ from tests.helpers import (
     activity_log,
     fleet_nodes,
     rank_pids,
+    samples_once,
     start,
     step_reports,
     tiny_spec,
@@ -31,19 +32,6 @@ from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import DrainNode, ResumeFrom, RunWorkflow
 
 GLOBAL_BATCH = 8
-
-
-def samples_once(reports: list[StepReport], resumed: list[int], target: int) -> bool:
-    """Every sample position up to the target read exactly once along the run's final lineage."""
-    starts, ends = [0, *resumed], [*resumed, target]
-    consumed = [
-        p
-        for generation, (first, last) in enumerate(zip(starts, ends, strict=True))
-        for r in reports
-        if r.generation == generation and first < r.step <= last
-        for p in r.samples
-    ]
-    return sorted(consumed) == list(range(target * GLOBAL_BATCH))
 
 
 async def running_past(client: Client, handle: WorkflowHandle, step: int) -> None:
@@ -101,7 +89,7 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     # The group changes only once every rank holds and the held step's checkpoint is judged.
     assert min(wait, checkpoint) > 0 and max(wait, checkpoint) < resize < relaunch < resume
     reports = step_reports(collector.stop())
-    assert samples_once(reports, [drain.step or 0], 150), "no sample lost or repeated across the resize"
+    assert samples_once(reports, [drain.step or 0], 150, GLOBAL_BATCH), "no sample lost or repeated across the resize"
 
 
 async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: Client, checkpoint_root: Path) -> None:
@@ -119,7 +107,7 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
     assert status.nodes == ["n1"] and status.world_size == 2
     reports = step_reports(collector.stop())
     assert {len(r.samples) for r in reports if r.generation == 1} == {GLOBAL_BATCH // 2}
-    assert samples_once(reports, [result.interruptions[0].step or 0], 120)
+    assert samples_once(reports, [result.interruptions[0].step or 0], 120, GLOBAL_BATCH)
 
 
 async def test_below_the_minimum_the_run_waits_for_a_node(client: Client, checkpoint_root: Path) -> None:

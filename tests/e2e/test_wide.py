@@ -1,0 +1,108 @@
+"""Real ranks on more nodes than ranks per node: seven node agents (one rank each: six in the run, one
+spare) on the session's dev stack, in the shape that holds at 2,048 nodes — one launch and one monitor
+per generation, node agents reached over their hubs, no activity per node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+
+from core.run import Cause, RunState
+from core.spec import RunSpec
+from tests.helpers import (
+    RecordCollector,
+    activity_log,
+    rank_pids,
+    samples_once,
+    start,
+    step_reports,
+    wait_for_fleet,
+    wait_for_step,
+    wait_until,
+)
+from workers.devstack import DevStack
+from workflows.run import DrainNode, RunWorkflow
+
+NODES = [f"w{i}" for i in range(1, 8)]
+GLOBAL_BATCH = 30  # shares evenly among 6 ranks and among 5
+# What a run's history may schedule, at any width: its monitor, a hang's stack dumps, a webhook page.
+# Everything that touches nodes is one local activity for all of them.
+SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
+
+
+@pytest.fixture(scope="module")
+def wide(stack: DevStack) -> Iterator[list[str]]:
+    for node in NODES:
+        stack.start_agent(node, spare=node == NODES[-1], standby=1)
+    yield NODES
+    for node in NODES:
+        stack.kill(f"agent-{node}", signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+async def settled(client: Client, wide: list[str]) -> None:
+    await wait_for_fleet(client, lambda nodes: all(n in nodes and nodes[n].state.usable for n in wide), timeout=120)
+
+
+def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: object) -> RunSpec:
+    spec: dict[str, object] = {
+        "name": "wide",
+        "world_size": len(nodes),
+        "ranks_per_node": 1,
+        "nodes": nodes,
+        "spare_nodes": spares,
+        "min_nodes": len(nodes) - 1,
+        "entrypoint": ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", str(GLOBAL_BATCH)],
+        "target_step": 80,
+        "checkpoint": {"root": str(root), "interval": "10 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
+
+
+async def test_six_nodes_survive_a_killed_rank_and_a_drain(client: Client, checkpoint_root: Path, wide: list[str]) -> None:
+    handle = await start(client, wide_spec(checkpoint_root, wide[:6], wide[6:]), "wide")
+    collector = RecordCollector(client, handle)
+    await wait_for_step(client, handle, 23)
+    os.kill((await rank_pids(client, handle))["w5"][4], signal.SIGKILL)
+    await wait_until(handle, lambda s: s.generation == 1 and s.state == RunState.RUNNING and s.progress.step >= 40)
+    outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="w2", reason="fan failing"))
+    assert "no spare free: continuing on 5 nodes" in outcome
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    crash, drain = result.interruptions
+    assert (crash.cause, crash.node, crash.rank) == (Cause.CRASH, "w5", 4)
+    assert any("replaced w5 with spare w7" in action for action in crash.actions)
+    assert (drain.cause, drain.node, drain.restored_from) == (Cause.DRAIN, "w2", "live")
+    status = await handle.query(RunWorkflow.status_query)
+    assert status.nodes == ["w1", "w3", "w4", "w7", "w6"] and status.world_size == 5
+    reports = step_reports(collector.stop())
+    assert samples_once(reports, [crash.resumed_from or 0, drain.step or 0], 80, GLOBAL_BATCH), "a sample lost or repeated"
+
+    log = await activity_log(client, handle)
+    assert {name for kind, name, _ in log if kind == "scheduled"} <= SCHEDULED
+    assert [name for kind, name, _ in log if kind == "local"].count("launch") == 3  # one per generation
+
+
+async def test_a_node_whose_agent_never_answers_is_replaced_not_fatal(
+    client: Client, stack: DevStack, checkpoint_root: Path, wide: list[str]
+) -> None:
+    frozen = stack.processes[f"agent-{wide[1]}"]
+    frozen.send_signal(signal.SIGSTOP)  # registered and reachable, but it answers nothing
+    try:
+        spec = wide_spec(
+            checkpoint_root, wide[:3], [wide[3]], min_nodes=3, target_step=30, health={"node_heartbeat_timeout": "3s"}
+        )
+        result = await asyncio.wait_for((await start(client, spec, "frozen-node")).result(), timeout=180)
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    assert result.state == RunState.COMPLETED, result.failure
+    (lost,) = result.interruptions
+    assert (lost.cause, lost.node, lost.detected_by) == (Cause.NODE_LOST, wide[1], "launch: the node agent did not answer")
+    assert f"replaced {wide[1]} with spare {wide[3]}" in lost.actions
