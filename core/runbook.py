@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+from core.escalation import Escalation
 from core.events import (
     CheckpointJudged,
     FirstStep,
@@ -18,6 +19,7 @@ from core.events import (
     SlowdownFound,
     StragglerFound,
 )
+from core.eviction import Eviction
 from core.launch import Membership, without_node
 from core.lifecycle import RunState, why
 from core.paging import PLANNED, Classification, PagingClass, classify
@@ -52,6 +54,37 @@ class RunBook:
     @property
     def state(self) -> RunState:
         return self.status.state
+
+    # -- the run's life ------------------------------------------------------------------------
+
+    def begin(self, now: datetime, baseline: list[float]) -> None:
+        """The run starts, with the fleet's healthy step times of its configuration."""
+        self.status.started_at, self.status.baseline = now, baseline
+
+    def refused(self, node: str, spare: str | None) -> None:
+        """The fleet would not give the run `node`: a spare takes its place, or the run goes without it."""
+        status = self.status
+        status.nodes = (
+            [spare if n == node else n for n in status.nodes] if spare else [n for n in status.nodes if n != node]
+        )
+        if spare:
+            status.spares_used.append(spare)
+
+    def launched(self) -> None:
+        """The next generation is running (or re-attached to): what was carried for it is spent."""
+        self.status.membership, self.status.reattach = None, False
+
+    def reattach(self) -> None:
+        """The next workflow segment watches the ranks that are running, without launching."""
+        self.status.reattach = True
+
+    def complete(self, step: int) -> None:
+        """Every rank reached the target step and its checkpoint is valid."""
+        self.status.progress.step = step
+        self.move(RunState.COMPLETED)
+
+    def finish(self, now: datetime) -> None:
+        self.status.finished_at = now
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -239,6 +272,15 @@ class RunBook:
         if status.membership is not None:  # survivors are holding: the newcomer takes rank 0's state
             status.membership.nodes = list(status.nodes)
             status.membership.newcomers.append(spare)
+
+    # -- slowness ------------------------------------------------------------------------------
+
+    def escalate(self, ladder: Escalation | None) -> None:
+        """A straggler starts up the S1 → S4 ladder (None: the climb is over)."""
+        self.status.escalation = ladder
+
+    def evicted(self, eviction: Eviction) -> None:
+        self.status.evictions.append(eviction)
 
     # -- commands ------------------------------------------------------------------------------
 

@@ -104,10 +104,8 @@ class RunWorkflow:
         book = self.book
         status = book.status
         if status.started_at is None:
-            status.started_at = workflow.now()
+            book.begin(workflow.now(), await calls.baseline(book.spec.config_digest) if book.spec.hooks else [])
             await self._acquire()
-            if book.spec.hooks:
-                status.baseline = await calls.baseline(book.spec.config_digest)
         try:
             while not book.state.terminal:
                 if book.state == RunState.STOPPED:
@@ -127,7 +125,7 @@ class RunWorkflow:
             raise
         await self._file_pages()
         await self._release()
-        status.finished_at = workflow.now()
+        book.finish(workflow.now())
         return RunResult(
             run_id=status.run_id,
             state=status.state,
@@ -234,12 +232,7 @@ class RunWorkflow:
         grant = await calls.acquire(status.run_id, book.spec.nodes)
         for node, why in grant.refused.items():
             workflow.logger.warning("fleet refused %s: %s", node, why)
-            spare = await calls.take_spare(status.run_id, book.spare_candidates())
-            status.nodes = [spare if n == node else n for n in status.nodes] if spare else status.nodes
-            if spare:
-                status.spares_used.append(spare)
-            else:
-                status.nodes = [n for n in status.nodes if n != node]
+            book.refused(node, await calls.take_spare(status.run_id, book.spare_candidates()))
         if len(status.nodes) < book.spec.min_nodes:
             book.stop(f"the fleet has {len(status.nodes)} usable nodes of the {book.spec.min_nodes} this run needs")
 
@@ -262,7 +255,7 @@ class RunWorkflow:
                 await self._restart(await incidents.unreachable(book, launched.unreachable))
                 return None
         gen = generation.start_monitor(book, first_step=not reattach, checkpoint_steps=self._checkpoint_steps())
-        status.membership, status.reattach = None, False
+        book.launched()
         return gen
 
     async def _watch(self, gen: Generation) -> Ending:
@@ -282,7 +275,7 @@ class RunWorkflow:
             elif (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
                 await self._end(gen, interrupted)
         elif isinstance(ending, Reattach):
-            book.status.reattach = True
+            book.reattach()
             gen.end()
         elif isinstance(ending, RanksFinished):
             await self._finish(gen)
@@ -334,8 +327,7 @@ class RunWorkflow:
                 )
             )
             return
-        book.status.progress.step = target
-        book.move(RunState.COMPLETED)
+        book.complete(target)
 
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.

@@ -54,15 +54,17 @@ async def straggler(book: RunBook, event: StragglerFound) -> None:
     detection.actions.append(f"marked {event.node} suspect in the fleet")
     book.detect(detection)
     if status.escalation is None and book.spec.hooks:
-        status.escalation = Escalation(
-            generation=status.generation,
-            rank=event.rank,
-            node=event.node,
-            rack=event.rack or "unknown",
-            ratio=event.ratio,
-            verdict=verdict,
-            # The rent the report carries was paid to this straggler while it was being detected.
-            paid_before_s=status.straggler_seconds - event.progress.straggler_s,
+        book.escalate(
+            Escalation(
+                generation=status.generation,
+                rank=event.rank,
+                node=event.node,
+                rack=event.rack or "unknown",
+                ratio=event.ratio,
+                verdict=verdict,
+                # The rent the report carries was paid to this straggler while it was being detected.
+                paid_before_s=status.straggler_seconds - event.progress.straggler_s,
+            )
         )
         detection.actions.append("S1: wait, paying the slowdown as rent until a remedy costs less")
     workflow.logger.warning("straggler: rank %s on %s at %.2fx", event.rank, event.node, event.ratio)
@@ -76,7 +78,7 @@ async def climb(book: RunBook) -> Request | None:
     if ladder is None or ladder.settled is not None or status.state != RunState.RUNNING:
         return None
     if ladder.generation != status.generation:  # the group was rebuilt: its ranks are not the ones measured
-        status.escalation = None
+        book.escalate(None)
         return None
     verdict = ladder.verdict or NO_TELEMETRY
     restart_s = measured_restart(book)
@@ -110,9 +112,7 @@ async def climb(book: RunBook) -> Request | None:
         detection.actions.append(f"{paid:.0f}s of slowdown paid; {ladder.settled}")
         return None
     ladder.strategy, ladder.paid_before_s, ladder.settled = rung, status.straggler_seconds, "evicted"
-    status.evictions.append(
-        Eviction(at=workflow.now(), node=ladder.node, rack=ladder.rack, diagnosis=verdict.diagnosis)
-    )
+    book.evicted(Eviction(at=workflow.now(), node=ladder.node, rack=ladder.rack, diagnosis=verdict.diagnosis))
     how = "re-place it on a spare" if rung == Strategy.S3_REPLACE else "restart without it"
     detection.actions.append(f"{rung.value} after {paid:.0f}s of slowdown paid: {decision.reason}; {how}")
     reason = f"rank {ladder.rank} at {ladder.ratio:.2f}×: {rung.value}"
@@ -126,7 +126,7 @@ async def settle(book: RunBook, resolved: bool) -> None:
     if ladder is None or ladder.settled != "evicted":
         return
     await calls.record_eviction(ladder.node, book.status.run_id, resolved)
-    book.status.escalation = None
+    book.escalate(None)
 
 
 def measured_restart(book: RunBook) -> float:
