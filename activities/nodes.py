@@ -143,12 +143,15 @@ class NodeActivities:
     @activity.defn
     async def self_test(self, input: SelfTestInput) -> SelfTestResult:
         """Ask a quarantined node's agent to vacate the node and run its checks. An agent that cannot
-        be reached within `answer_within` has not run it: the node stays quarantined."""
+        be reached within `answer_within` has not run it: the node stays quarantined. Each try asks
+        the fleet where the node's agent listens now: one that was restarted (a lost node, back)
+        registered a new address, and it is that agent that must answer."""
         deadline = asyncio.get_running_loop().time() + input.answer_within
         async with _heartbeating():
             while True:
+                hub = (await self.fleet.hubs([input.node])).get(input.node, input.hub)
                 try:
-                    answer = await ask(input.hub, RunSelfTest(node=input.node), SELF_TEST_LIMIT_S)
+                    answer = await ask(hub, RunSelfTest(node=input.node), SELF_TEST_LIMIT_S)
                 except NoAnswer as exc:
                     if asyncio.get_running_loop().time() < deadline and "unreachable" in str(exc):
                         await asyncio.sleep(1.0)

@@ -13,7 +13,6 @@ from activities.fleet import FleetClient
 from core.fleet import NodeState
 from core.fleet_requests import Acquire, Release
 from core.run import Cause, RunState
-from core.telemetry import StepReport
 from tests.helpers import (
     RecordCollector,
     activity_log,

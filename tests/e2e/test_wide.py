@@ -65,7 +65,9 @@ def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: obje
     return RunSpec.model_validate(spec | overrides)
 
 
-async def test_six_nodes_survive_a_killed_rank_and_a_drain(client: Client, checkpoint_root: Path, wide: list[str]) -> None:
+async def test_six_nodes_survive_a_killed_rank_and_a_drain(
+    client: Client, checkpoint_root: Path, wide: list[str]
+) -> None:
     handle = await start(client, wide_spec(checkpoint_root, wide[:6], wide[6:]), "wide")
     collector = RecordCollector(client, handle)
     await wait_for_step(client, handle, 23)
@@ -83,7 +85,8 @@ async def test_six_nodes_survive_a_killed_rank_and_a_drain(client: Client, check
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["w1", "w3", "w4", "w7", "w6"] and status.world_size == 5
     reports = step_reports(collector.stop())
-    assert samples_once(reports, [crash.resumed_from or 0, drain.step or 0], 80, GLOBAL_BATCH), "a sample lost or repeated"
+    resumed = [crash.resumed_from or 0, drain.step or 0]
+    assert samples_once(reports, resumed, 80, GLOBAL_BATCH), "a sample was lost or repeated"
 
     log = await activity_log(client, handle)
     assert {name for kind, name, _ in log if kind == "scheduled"} <= SCHEDULED
@@ -104,5 +107,6 @@ async def test_a_node_whose_agent_never_answers_is_replaced_not_fatal(
         frozen.send_signal(signal.SIGCONT)
     assert result.state == RunState.COMPLETED, result.failure
     (lost,) = result.interruptions
-    assert (lost.cause, lost.node, lost.detected_by) == (Cause.NODE_LOST, wide[1], "launch: the node agent did not answer")
+    assert (lost.cause, lost.node) == (Cause.NODE_LOST, wide[1])
+    assert lost.detected_by == "launch: the node agent did not answer"
     assert f"replaced {wide[1]} with spare {wide[3]}" in lost.actions
