@@ -131,6 +131,8 @@ def summary(rows: list[dict[str, object]]) -> dict[str, object]:
 
 async def main(widths: list[int]) -> None:
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: the whole table, not columns cut to 80
+        console = Console(width=160)
     rows = []
     for nodes in widths:
         row = await measure(nodes)
