@@ -72,10 +72,16 @@ def health_table(status: RunStatus, note: str = "") -> str:
     rows = [
         ("state", f"**{status.state.value}**" + (f" — {note}" if note else "")),
         ("step", f"{progress.step} / {status.spec.target_step or '?'} (generation {status.generation})"),
-        ("nodes", f"{', '.join(status.nodes)} ({status.world_size} ranks)"),
+        ("nodes", f"{listing(status.nodes)} ({status.world_size} ranks)"),
         ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
         ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
         ("verified (SDC checks)", f"to step {status.verified_step}"),
         ("interruptions", f"{len(status.interruptions)}" + (f" (last: {interruption.line()})" if interruption else "")),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def listing(names: list[str], most: int = 8) -> str:
+    """`names` for a person to read: the first `most`, and how many there are in all."""
+    shown = ", ".join(names[:most])
+    return f"{shown}, … ({len(names)} in all)" if len(names) > most else shown or "none"

@@ -243,7 +243,8 @@ class RunBook:
 
     def spare_candidates(self) -> list[str]:
         """Spares first, then the run's own nodes that are out of the group (back after a self-test)."""
-        return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in self.status.nodes]
+        group = set(self.status.nodes)
+        return [n for n in [*self.spec.spare_nodes, *self.spec.nodes] if n not in group]
 
     def replaced(self, interruption: Interruption, node: str, spare: str | None) -> Membership:
         """`node` is quarantined: a spare takes its place, or the group goes on without it."""
