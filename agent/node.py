@@ -3,7 +3,8 @@ and run its self-test. Each request (core.control) arrives at the hub and is ans
 
 The agent owns the rank processes, not any request: ranks outlive the launch that started them until
 the next launch, a release or the agent's own death stops them. When it reaps one, it files how the
-rank ended (RankExited, with the end of its log) in the run's channel, where the run monitor reads it.
+rank ended (RankExited, with the end of its log) in the run's channel, where the run monitor reads it, as it
+files which process took which rank when a generation starts (RankStarted).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from core.control import (
 )
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
 from core.launch import Endpoint, NodeLaunch, rank_env
-from core.telemetry import GpuReport, RankExited, Rejoin
+from core.telemetry import GpuReport, RankExited, RankStarted, Rejoin
 
 log = structlog.get_logger()
 
@@ -118,6 +119,12 @@ class NodeAgent:
             for process in started:
                 process.waiter.add_done_callback(functools.partial(self._reaped, launch.run_id, process))
             self.ranks[launch.run_id] = carried + started
+            channel = self.hub.run(launch.run_id)
+            for process in carried + started:
+                rejoined = process in carried
+                channel.append(
+                    RankStarted(rank=process.rank, generation=launch.generation, pid=process.pid, rejoined=rejoined)
+                )
             return Started(pids={r.rank: r.pid for r in carried + started}, rejoined=[r.rank for r in carried])
 
     def _reaped(self, run_id: str, process: RankProcess, _: object = None) -> None:

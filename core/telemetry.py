@@ -161,9 +161,22 @@ class RankExited(_Message):
     log_tail: str = ""
 
 
+class RankStarted(_Message):
+    """Written by the node agent itself when a rank process takes its place in a generation (started
+    fresh, from a warm standby, or carried over a resize): which process holds which rank. A script
+    run with `hooks: false` never says Hello; this is how its processes are known."""
+
+    t: Literal["started"] = "started"
+    rank: int
+    generation: int
+    pid: int
+    rejoined: bool = False
+
+
 RankMessage = Annotated[
     Union[  # noqa: UP007
         Hello,
+        RankStarted,
         StepReport,
         NodeSteps,
         CheckpointCommitted,

@@ -19,7 +19,7 @@ from core.fleet import FleetNode
 from core.launch import Endpoint
 from core.run import CheckpointRecord, RunState, RunStatus
 from core.spec import RunSpec
-from core.telemetry import Hello, NodeSteps, Record, StepReport, Subscribe
+from core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
 from training.checkpoint import load_checkpoint
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
@@ -98,20 +98,20 @@ async def read_records(hub: str, run_id: str, only: list[str] | None = None, qui
 
 
 async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[int, int]]:
-    """node → {rank: pid} of the run's current generation, from the Hello each rank sends its agent
-    when it starts or rejoins under a new rank."""
+    """node → {rank: pid} of the run's current generation, from what each node agent filed as it
+    started its ranks or carried them into the generation (RankStarted)."""
     deadline = time.monotonic() + 30
     while True:
         status = await handle.query(RunWorkflow.status_query)
         where = await hubs(client, status.nodes)
         read = await asyncio.gather(
-            *(read_records(where[n], status.run_id, ["hello"], quiet=0.1) for n in status.nodes)
+            *(read_records(where[n], status.run_id, ["started"], quiet=0.1) for n in status.nodes)
         )
         pids = {
             node: {
                 m.rank: m.pid
                 for r in records
-                if isinstance(m := r.message, Hello) and m.generation == status.generation
+                if isinstance(m := r.message, RankStarted) and m.generation == status.generation
             }
             for node, records in zip(status.nodes, read, strict=True)
         }
@@ -122,11 +122,13 @@ async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[in
 
 class RecordCollector:
     """Everything a run's node agents receive, read live the way the run monitor reads it, from every
-    node the run uses (a spare joins later). Agents forget a run's records once it is released."""
+    node the run uses, one stream per node and generation: a spare joins later, and a node released
+    from the run (quarantined, then back after its self-test) keeps its records on a channel of its
+    own when it joins again. Agents forget a run's records once it is released."""
 
     def __init__(self, client: Client, handle: WorkflowHandle) -> None:
         self.records: list[Record] = []
-        self._followed: set[str] = set()
+        self._followed: dict[str, int] = {}  # node → the newest generation followed there
         self._tasks: list[asyncio.Task[None]] = []
         self._watch = asyncio.create_task(self._watch_nodes(client, handle))
 
@@ -135,20 +137,27 @@ class RecordCollector:
             with contextlib.suppress(Exception):
                 status = await handle.query(RunWorkflow.status_query)
                 for node, hub in (await hubs(client, status.nodes)).items():
-                    if node not in self._followed:
-                        self._followed.add(node)
-                        self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id)))
+                    # Every generation since the last one followed here: a short one may pass unseen.
+                    since = self._followed.get(node, status.generation - 1) + 1
+                    for generation in range(since, status.generation + 1):
+                        self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id, generation)))
+                    self._followed[node] = max(status.generation, self._followed.get(node, -1))
             await asyncio.sleep(0.2)
 
-    async def _follow(self, hub: str, run_id: str) -> None:
+    async def _follow(self, hub: str, run_id: str, generation: int) -> None:
+        """One generation's records on one node (a record of no generation, such as a GPU reading,
+        comes with the stream that was first to see it)."""
         address = Endpoint.parse(hub)
         reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(Subscribe(run_id=run_id).model_dump_json().encode() + b"\n")
+        writer.write(Subscribe(run_id=run_id, generation=generation).model_dump_json().encode() + b"\n")
         await writer.drain()
         try:
             while line := await reader.readline():
-                if not line.startswith(b'{"t":"beat"'):
-                    self.records.append(Record.model_validate_json(line))
+                if line.startswith(b'{"t":"beat"'):
+                    continue
+                record = Record.model_validate_json(line)
+                if getattr(record.message, "generation", generation) == generation:
+                    self.records.append(record)
         finally:
             writer.close()
 

@@ -9,6 +9,7 @@ import pytest
 from core.lifecycle import TRANSITIONS, RunState, why
 from core.run import RunStatus
 from core.runbook import RunBook
+from tests.core.runs import at, interruption
 from tests.helpers import tiny_spec
 
 S = RunState
@@ -69,3 +70,35 @@ def test_moves_outside_the_table_are_refused_and_reported(current: RunState, to:
 def test_only_the_ends_are_dead_ends() -> None:
     for state, moves in TRANSITIONS.items():
         assert (not moves) == state.terminal, state
+
+
+def wide_book(nodes: list[str], spares: list[str], min_nodes: int) -> RunBook:
+    spec = tiny_spec(
+        Path("/ckpt"), world_size=len(nodes), ranks_per_node=1, nodes=nodes, spare_nodes=spares, min_nodes=min_nodes
+    )
+    return RunBook(RunStatus(spec=spec, nodes=list(nodes)))
+
+
+@pytest.mark.parametrize(
+    ("spare", "min_nodes", "nodes_after", "action"),
+    [
+        ("s1", 3, ["a", "s1", "c"], "replaced b with spare s1"),  # the spare takes b's place and ranks
+        (None, 2, ["a", "c"], "no spare free: continuing on 2 nodes"),  # shrink, survivors renumbered
+        (None, 3, ["a", "c"], "no spare free and 2 nodes < min 3"),  # the run must wait for a node
+    ],
+)
+def test_a_quarantined_node_is_replaced_or_the_group_shrinks(
+    spare: str | None, min_nodes: int, nodes_after: list[str], action: str
+) -> None:
+    book = wide_book(["a", "b", "c"], ["s1"], min_nodes)
+    lost = interruption(at(), node="b")
+    membership = book.replaced(lost, "b", spare)
+    assert membership.nodes == nodes_after == book.status.nodes
+    assert lost.actions == ["quarantined b in the fleet (self-test running)", action]
+    assert book.status.spares_used == ([spare] if spare else [])
+
+
+def test_spares_come_first_then_the_runs_own_nodes_back_from_a_self_test() -> None:
+    book = wide_book(["a", "b", "c"], ["s1", "s2"], 2)
+    book.replaced(interruption(at(), node="b"), "b", "s1")
+    assert book.spare_candidates() == ["s2", "b"]

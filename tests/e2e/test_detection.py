@@ -64,10 +64,11 @@ async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
     client: Client, checkpoint_root: Path
 ) -> None:
     faults = [{"kind": "straggler", "rank": 1, "factor": 1.2, "from_step": 40}]
-    # Eight ranks of 100 ms device steps: a robust median needs peers, and a 20% excess needs a step
-    # long enough that scheduling jitter on two cores is a few percent of it.
+    # Eight ranks of 150 ms device steps: a robust median needs peers, and a 20% excess needs a step
+    # long enough that scheduling jitter on two cores is a few percent of it (at 100 ms, a loaded
+    # host's jitter broke the slow rank's streak of k steps now and then).
     spec = detection_spec(
-        checkpoint_root, device_ms=100, target_step=120, world_size=8, ranks_per_node=4, faults=faults
+        checkpoint_root, device_ms=150, target_step=120, world_size=8, ranks_per_node=4, faults=faults
     )
     handle = await start(client, spec, "straggler")
     result = await handle.result()
