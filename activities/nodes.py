@@ -45,7 +45,7 @@ from training.checkpoint import within_root
 
 log = structlog.get_logger()
 
-# Starting ranks takes longer than answering: a warm standby may still be warming, a cold one forks.
+# Starting ranks takes longer than answering: the fork server may still be warming up.
 START_ALLOWANCE_S = 60.0
 COMMAND_WITHIN_S = 10.0
 STACKS_WITHIN_S = 15.0  # the agent waits up to 3 s for its ranks' dumps

@@ -22,11 +22,11 @@ from pathlib import Path
 import structlog
 import torch.distributed as dist
 
+from agent.forkserver import ForkServer
 from agent.gpu import GpuTelemetry
 from agent.hub import NodeHub
 from agent.processes import RankProcess, start_rank, stop_ranks
 from agent.selftest import SelfTest
-from agent.standby import StandbyPool
 from core.control import (
     AgentAnswer,
     AgentRequest,
@@ -66,9 +66,9 @@ def resolve_argv(argv: list[str]) -> list[str]:
 
 
 class NodeAgent:
-    def __init__(self, node: str, hub: NodeHub, state_dir: Path, standby: StandbyPool | None = None) -> None:
+    def __init__(self, node: str, hub: NodeHub, state_dir: Path, forks: ForkServer | None = None) -> None:
         self.node = node
-        self.standby = standby  # warm processes that fresh ranks start in (agent/standby.py)
+        self.forks = forks  # the warm process fresh ranks are forked from (agent/forkserver.py)
         self.hub = hub
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
@@ -233,7 +233,7 @@ class NodeAgent:
             if rank in skip:
                 continue
             env, log_path = self._env(launch, local_rank), run_dir / f"rank-{rank}.log"
-            warm = await self.standby.take(rank, launch.generation, argv, env, log_path) if self.standby else None
+            warm = await self.forks.start_rank(rank, launch.generation, argv, env, log_path) if self.forks else None
             ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path))
         if ranks:
             log.info(

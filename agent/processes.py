@@ -13,7 +13,6 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -25,22 +24,23 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-@dataclass
+@dataclass(eq=False)
 class RankProcess:
+    """A rank's process, started cold (this agent's child) or forked by the fork server (its child):
+    either way a pid that leads its own process group, and a waiter for its exit status."""
+
     rank: int
     generation: int
-    process: asyncio.subprocess.Process
+    pid: int
     log_path: Path
-    exited_at: float | None = None
-    waiter: asyncio.Future[int] = field(init=False)
+    waiter: asyncio.Future[int]  # the exit status as asyncio reports it: -N for death by signal N
+    exited_at: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.waiter = asyncio.ensure_future(self._reap())
+        self.waiter.add_done_callback(self._exited)
 
-    async def _reap(self) -> int:
-        code = await self.process.wait()
+    def _exited(self, _: object) -> None:
         self.exited_at = time.time()
-        return code
 
     @property
     def stack_path(self) -> Path:
@@ -48,14 +48,12 @@ class RankProcess:
         return self.log_path.with_suffix(".stacks")
 
     @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
     def exit_code(self) -> int | None:
         """The exit status, with death by signal N reported as 128 + N, as a shell would."""
-        code = self.process.returncode
-        return None if code is None else (128 - code if code < 0 else code)
+        if not self.waiter.done() or self.waiter.cancelled():
+            return None
+        code = self.waiter.result()
+        return 128 - code if code < 0 else code
 
     def log_tail(self, lines: int = 12) -> str:
         try:
@@ -65,19 +63,22 @@ class RankProcess:
 
 
 async def spawn(
-    argv: list[str], env: dict[str, str], stdin: int | IO[Any], stdout: int | IO[Any], pass_fds: Sequence[int] = ()
+    argv: list[str],
+    env: dict[str, str],
+    stdin: int | IO[Any],
+    stdout: int | IO[Any],
+    stderr: int | IO[Any] = asyncio.subprocess.STDOUT,
 ) -> asyncio.subprocess.Process:
-    """Start a process the way every rank process starts (a rank, or a warm standby that becomes one):
-    its own session, dying with this agent, stderr into stdout."""
+    """Start a process the way every rank process starts (a cold rank, or the fork server ranks are
+    forked from): its own session, dying with this agent, stderr into stdout unless told."""
     return await asyncio.create_subprocess_exec(
         *argv,
         env=env,
         stdin=stdin,
         stdout=stdout,
-        stderr=asyncio.subprocess.STDOUT,
+        stderr=stderr,
         preexec_fn=_die_with_parent,
         start_new_session=True,
-        pass_fds=pass_fds,
     )
 
 
@@ -85,16 +86,17 @@ async def start_rank(rank: int, generation: int, argv: list[str], env: dict[str,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = await spawn(argv, {**os.environ, **env}, asyncio.subprocess.DEVNULL, log_file)
-    return RankProcess(rank=rank, generation=generation, process=process, log_path=log_path)
+    waiter = asyncio.ensure_future(process.wait())
+    return RankProcess(rank=rank, generation=generation, pid=process.pid, log_path=log_path, waiter=waiter)
 
 
 async def stop_ranks(ranks: list[RankProcess], grace: float = 5.0) -> None:
     """SIGTERM every rank's process group, then SIGKILL what is left after `grace` seconds."""
-    alive = [r for r in ranks if r.process.returncode is None]
+    alive = [r for r in ranks if r.exit_code is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for r in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.pid, sig)
         if alive:
             await asyncio.wait([r.waiter for r in alive], timeout=grace)
-        alive = [r for r in alive if r.process.returncode is None]
+        alive = [r for r in alive if r.exit_code is None]

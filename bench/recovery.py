@@ -15,11 +15,11 @@ with the same injected crash (core/faults.py: rank 3 exits with 137 in the middl
              rank's "injected crash" log line, just before it exits, to the newest first-step time of
              the restarted ranks.
 
-The crash comes late enough that the agents' standby pools, emptied by the first launch, are warm
-again (the pool refills 5 s after a take, one standby at a time); the table says how each restart's
-ranks started. The bar: stayalive's R is at most a third of torchrun's.
+Every node agent forks its ranks from a warm fork server (agent/forkserver.py) unless
+`--no-fork-server`; the table says how each restart's ranks started. The bar: stayalive's R is at
+most a third of torchrun's.
 
-    python -m bench.recovery [--quick] [--runs N] [--standby N] [--crash-step S] [--breakdown]
+    python -m bench.recovery [--quick] [--runs N] [--no-fork-server] [--crash-step S] [--breakdown]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ INJECTED_CRASH = re.compile(r'timestamp=(\S+) level=warning event="injected cras
 @dataclass
 class Trial:
     r_s: float
-    started: str  # how the restarted ranks started: warm standbys or cold processes
+    started: str  # how the restarted ranks started: forked from the warm server, or cold
     milestones: Milestones | None = None
 
 
@@ -110,7 +110,7 @@ async def fleet_idle(client: Client, nodes: list[str], timeout: float = 180.0) -
     raise TimeoutError(f"the fleet did not settle in {timeout:g}s")
 
 
-async def stayalive_trials(runs: int, crash_step: int, standby: int | None, root: Path) -> list[Trial]:
+async def stayalive_trials(runs: int, crash_step: int, fork_server: bool, root: Path) -> list[Trial]:
     stack = DevStack(
         state_dir=root / "stack",
         nodes=[*NODES, SPARE],
@@ -119,7 +119,7 @@ async def stayalive_trials(runs: int, crash_step: int, standby: int | None, root
         port=free_port(),
         ui_port=None,
         workdir=REPO,
-        standby=standby,
+        fork_server=fork_server,
     )
     stack.start()
     try:
@@ -191,22 +191,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one repetition each (1-2 minutes on two cores)")
     parser.add_argument("--runs", type=int, default=3, help="repetitions per method (default 3)")
-    parser.add_argument("--standby", type=int, default=None, help="standbys per node agent (default: the agent's)")
+    parser.add_argument(
+        "--fork-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="node agents fork ranks from a warm server (default); --no-fork-server starts each cold",
+    )
     parser.add_argument("--crash-step", type=int, default=None, help="step whose middle the crash interrupts")
     parser.add_argument("--breakdown", action="store_true", help="print where stayalive's recovery time went")
     parser.add_argument("--dir", type=Path, default=None, help="keep logs and checkpoints here")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
-    # Late enough for the standby pools to be warm again after the first launch (see the docstring),
-    # and mid-interval, so the validator is idle when the crash comes.
+    # Well after the first launch, and mid-interval, so the validator is idle when the crash comes.
     crash_step = args.crash_step or (950 if args.quick else 1350)
     root = args.dir or Path(tempfile.mkdtemp(prefix="stayalive-recovery-"))
     root.mkdir(parents=True, exist_ok=True)
     console = Console()
-    pool = "agent default" if args.standby is None else str(args.standby)
-    console.print(f"crash of rank {CRASH_RANK} at step {crash_step}; {runs} run(s) each; standbys per node: {pool}")
+    starts = "forked from a warm server" if args.fork_server else "cold"
+    console.print(f"crash of rank {CRASH_RANK} at step {crash_step}; {runs} run(s) each; ranks start {starts}")
 
-    stayalive = asyncio.run(stayalive_trials(runs, crash_step, args.standby, root))
+    stayalive = asyncio.run(stayalive_trials(runs, crash_step, args.fork_server, root))
     torchrun = [torchrun_trial(crash_step, root, i) for i in range(runs)]
     console.print(table({"stayalive": stayalive, "torchrun --max-restarts": torchrun}))
     if args.breakdown:

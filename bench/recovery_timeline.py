@@ -2,7 +2,7 @@
 pieced together from what the run leaves behind.
 
   the rank's own log       "injected crash" (the fault), then each restarted rank's "restored"
-  the node agents' logs    rank failed, generation prepared, rank handed to a standby / cold start,
+  the node agents' logs    rank failed, generation prepared, rank forked / cold start,
                            ranks started
   the workflow history     every workflow task and activity (scheduled, started, completed,
                            cancelled), with the server's timestamps
@@ -26,7 +26,7 @@ from temporalio.client import Client, WorkflowHandle
 from workflows.run import RunWorkflow
 
 _PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
-_AGENT_EVENTS = ("rank failed", "generation prepared", "rank handed to a standby", "ranks started")
+_AGENT_EVENTS = ("rank failed", "generation prepared", "rank forked", "ranks started")
 _HISTORY = {
     EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED: "workflow task scheduled",
     EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED: "workflow task started",
@@ -98,7 +98,7 @@ async def stayalive_milestones(client: Client, handle: WorkflowHandle, run_id: s
     for path in sorted(state_dir.glob("logs/agent-*.log")):
         for fields in _log_lines(path):
             if fields.get("event") in _AGENT_EVENTS or fields.get("event", "").startswith("cold start"):
-                keys = ("rank", "generation", "standby", "reason")
+                keys = ("rank", "generation", "pid", "reason", "error")
                 detail = " ".join(f"{k}={fields[k]}" for k in keys if k in fields)
                 milestones.add(timestamp(fields), f"agent {fields.get('node', '?')}", f"{fields['event']} {detail}")
     for path in sorted(state_dir.glob(f"nodes/*/runs/{run_id}/g1/rank-*.log")):
@@ -125,13 +125,11 @@ async def stayalive_milestones(client: Client, handle: WorkflowHandle, run_id: s
 
 
 def restart_starts(milestones: Milestones) -> str:
-    """How the restarted ranks started: "4 warm standbys", "2 warm standbys, 2 cold", …"""
-    handed = [what for _, _, what in milestones.moments if what.startswith("rank handed to a standby")]
-    warm = sum("standby=warm" in what for what in handed)
+    """How the restarted ranks started: "4 forked", "2 forked, 2 cold", …"""
+    forked = sum(what.startswith("rank forked") for _, _, what in milestones.moments)
     cold = sum(what.startswith("cold start") for _, _, what in milestones.moments)
-    if not handed and not cold:
-        return "cold (no standby pool)"
-    parts = [f"{warm} warm standbys"] if warm else []
-    parts += [f"{len(handed) - warm} still-warming standbys"] if len(handed) > warm else []
+    if not forked and not cold:
+        return "cold (no fork server)"
+    parts = [f"{forked} forked"] if forked else []
     parts += [f"{cold} cold"] if cold else []
     return ", ".join(parts)

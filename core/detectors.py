@@ -368,8 +368,8 @@ def main_thread(dump: str) -> list[Frame]:
 
 
 def _program(frames: list[Frame]) -> list[Frame]:
-    """The frames up to the program's own module body: what started it (runpy, a warm standby process
-    that ran it in place) differs between ranks of the same program and says nothing about a hang."""
+    """The frames up to the program's own module body: what started it (runpy, the fork server that
+    forked it) differs between ranks of the same program and says nothing about a hang."""
     for depth, (_, function) in enumerate(frames):
         if function == "<module>":
             return frames[: depth + 1]

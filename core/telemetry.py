@@ -163,7 +163,7 @@ class RankExited(_Message):
 
 class RankStarted(_Message):
     """Written by the node agent itself when a rank process takes its place in a generation (started
-    fresh, from a warm standby, or carried over a resize): which process holds which rank. A script
+    cold, forked from the warm server, or carried over a resize): which process holds which rank. A script
     run with `hooks: false` never says Hello; this is how its processes are known."""
 
     t: Literal["started"] = "started"

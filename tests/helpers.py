@@ -137,8 +137,9 @@ class RecordCollector:
             with contextlib.suppress(Exception):
                 status = await handle.query(RunWorkflow.status_query)
                 for node, hub in (await hubs(client, status.nodes)).items():
-                    # Every generation since the last one followed here: a short one may pass unseen.
-                    since = self._followed.get(node, status.generation - 1) + 1
+                    # Every generation since the last one followed here (all of them for a node not seen
+                    # before): a short one may pass unseen, even the first, when ranks start fast.
+                    since = self._followed.get(node, -1) + 1
                     for generation in range(since, status.generation + 1):
                         self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id, generation)))
                     self._followed[node] = max(status.generation, self._followed.get(node, -1))

@@ -63,7 +63,7 @@ class DevStack:
     metrics_port: int = 9464  # the supervisor worker's /metrics
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
-    standby: int | None = None  # warm standby processes per node agent (None: the agent's default)
+    fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -152,15 +152,13 @@ class DevStack:
         shm = Path("/dev/shm")
         return (shm if shm.is_dir() else self.state_dir) / f"stayalive-{self.port}"
 
-    def start_agent(self, node: str, spare: bool | None = None, standby: int | None = None) -> None:
-        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says), with this
-        stack's warm standbys unless `standby` says how many."""
+    def start_agent(self, node: str, spare: bool | None = None) -> None:
+        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says)."""
         spare = node in self.spares if spare is None else spare
-        standby = self.standby if standby is None else standby
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
-        argv += ["--standby", str(standby)] if standby is not None else []
+        argv += [] if self.fork_server else ["--no-fork-server"]
         self._spawn(f"agent-{node}", argv)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -23,10 +23,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.fleet import FleetClient, FleetRefused
+from agent.forkserver import ForkServer
 from agent.gpu import gpu_telemetry
 from agent.hub import NodeHub
 from agent.node import NodeAgent
-from agent.standby import StandbyPool
 from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
 from training.logs import configure_logging
 from workers.supervisor import connect
@@ -80,10 +80,10 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
     await hub.start()
     node_dir = args.state_dir / "nodes" / args.node
-    standby = StandbyPool(args.standby, node_dir) if args.standby > 0 else None
-    if standby is not None:
-        standby.start()
-    agent = NodeAgent(args.node, hub, node_dir, standby)
+    forks = ForkServer(node_dir) if args.fork_server else None
+    if forks is not None:
+        forks.start()
+    agent = NodeAgent(args.node, hub, node_dir, forks)
     telemetry = gpu_telemetry(args.node, args.rack, faults=agent.telemetry_faults)
     client = await connect(args.address, args.namespace)
     log.info("node agent started", node=args.node, hub=str(hub.endpoint))
@@ -99,8 +99,8 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
         sampler.cancel()
         await agent.vacate()
         hub.close()
-        if standby is not None:
-            await standby.close()
+        if forks is not None:
+            await forks.close()
 
 
 def main() -> None:
@@ -115,7 +115,10 @@ def main() -> None:
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
     parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
     parser.add_argument(
-        "--standby", type=int, default=2, metavar="N", help="warm processes kept for restarting ranks (0: none)"
+        "--fork-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork ranks from a warm process that has imported torch (--no-fork-server: start each cold)",
     )
     args = parser.parse_args()
     configure_logging(node=args.node)

@@ -27,6 +27,12 @@ from workflows.run import RunWorkflow
 ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "30"]
 
 
+# The healthy run and the hot aisle share a configuration no other test runs (its digest covers `env`):
+# the baseline the hot aisle is judged by is the one the healthy run taught, not the step time an
+# earlier test of the same job happened to measure on a differently loaded host.
+HEALTHY_JOB_ENV = {"STAYALIVE_TEST_JOB": "healthy-baseline"}
+
+
 def detection_spec(root: Path, device_ms: int = 30, **overrides: object) -> RunSpec:
     return tiny_spec(
         root,
@@ -86,7 +92,7 @@ async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
 async def healthy_run(client: Client, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunSpec]:
     """2,000 healthy steps: nothing may be flagged (no straggler, slowdown, skipped update or failed
     SDC check), and the fleet learns this configuration's step time."""
-    spec = detection_spec(tmp_path_factory.mktemp("healthy"), target_step=2000)
+    spec = detection_spec(tmp_path_factory.mktemp("healthy"), target_step=2000, env=HEALTHY_JOB_ENV)
     handle = await start(client, spec, "healthy")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
@@ -111,7 +117,9 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
         {"kind": "slowdown", "factor": 1.3, "from_step": 150},
         {"kind": "thermal", "rack": "rack-a"},  # the aisle of n1 and n2 runs hot
     ]
-    spec = detection_spec(checkpoint_root, target_step=400, faults=faults, paging={"webhook": webhook.url})
+    spec = detection_spec(
+        checkpoint_root, target_step=400, faults=faults, paging={"webhook": webhook.url}, env=HEALTHY_JOB_ENV
+    )
     assert spec.config_digest == healthy_run.config_digest
     handle = await start(client, spec, "hot-aisle")
     result = await handle.result()

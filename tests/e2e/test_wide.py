@@ -40,7 +40,7 @@ SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
 @pytest.fixture(scope="module")
 def wide(stack: DevStack) -> Iterator[list[str]]:
     for node in NODES:
-        stack.start_agent(node, spare=node == NODES[-1], standby=1)
+        stack.start_agent(node, spare=node == NODES[-1])
     yield NODES
     for node in NODES:
         stack.kill(f"agent-{node}", signal.SIGTERM)
