@@ -29,6 +29,12 @@ NODES = ["n1", "n2", "n3"]
 _ids = itertools.count()
 
 
+# Ranks forked from a warm server take their first step within a second, and the tiny GPT's step is a
+# few milliseconds of host work: 15 ms of simulated device time keeps a run long enough that a test
+# acting "mid-run" (a kill at step 23, a drain, a pause) acts before the run has finished.
+TINY_ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "15"]
+
+
 def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
     """4 ranks of the tiny GPT on n1 and n2: a real run that finishes in seconds on two cores."""
     spec: dict[str, object] = {
@@ -38,7 +44,7 @@ def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
         "nodes": ["n1", "n2"],
         "spare_nodes": ["n3"],
         "min_nodes": 2,  # keep the width: results compare bitwise with a run of the same world size
-        "entrypoint": ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8"],
+        "entrypoint": TINY_ENTRYPOINT,
         "target_step": 40,
         "checkpoint": {"root": str(checkpoint_root), "interval": "10 steps"},
     }

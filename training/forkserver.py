@@ -142,6 +142,7 @@ def become(assignment: Assignment) -> None:
     if target.module is not None:
         sys.path[0] = os.getcwd()  # what `python -m` puts first
         sys.argv = [target.module, *target.args]  # run_module replaces argv[0] with the module's file
+        sys.modules.pop(target.module, None)  # the server's copy: __main__ is a fresh one, as in a cold start
         runpy.run_module(target.module, run_name="__main__", alter_sys=True)
     else:
         assert target.script is not None

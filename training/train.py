@@ -227,12 +227,17 @@ class Trainer:
         """Join the generation's group, through its rendezvous store (fresh every generation), and find
         this rank's memory tier. Each node's local rank 0 names its agent in the store before joining,
         so once every rank has joined, the lookup of the replica's agent finds it."""
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        # Who hosts the store is decided as torch's env:// rendezvous decides it: the agent when it says
+        # so (stayalive's always does; torchrun's c10d rendezvous does not), else rank 0.
+        hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, is_master=hosting, wait_for_workers=False)
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         local_rank = int(os.environ.get("LOCAL_RANK", rank % ranks_per_node))
         if config.agent is not None and local_rank == 0:
             memory.publish_hub(store, rank // ranks_per_node, config.agent)
-        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=self.args.collective_timeout))
+        timeout = timedelta(seconds=self.args.collective_timeout)
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         return store, config.memory_tier(store, rank, world_size, ranks_per_node)
 
     def load(self, config: SupervisionConfig, rank: int, world_size: int, tier: MemoryTier | None) -> None:

@@ -35,6 +35,7 @@ TARGET = 120  # long enough for a crash, the crashed node's self-test and a drai
 # What a run's history may schedule, at any width: its monitor, a hang's stack dumps, a webhook page.
 # Everything that touches nodes is one local activity for all of them.
 SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
+TRAINER = ["python", "-m", "training.train", "--preset", "tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,8 @@ def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: obje
         "nodes": nodes,
         "spare_nodes": spares,
         "min_nodes": len(nodes) - 1,
-        "entrypoint": ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", str(GLOBAL_BATCH)],
+        # Paced as tiny_spec's runs are (tests/helpers.TINY_ENTRYPOINT), at this test's global batch.
+        "entrypoint": [*TRAINER, "--global-batch", str(GLOBAL_BATCH), "--device-ms", "15"],
         "target_step": 80,
         "checkpoint": {"root": str(root), "interval": "10 steps"},
     }
