@@ -37,6 +37,7 @@ Limits (checked by `unfit` before the agent asks; it starts the rank cold otherw
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import os
 import runpy
@@ -217,6 +218,9 @@ def main() -> None:
     report = os.dup(1)  # the protocol's own descriptor; anything an import prints goes to the log
     os.dup2(2, 1)
     warm()
+    # What the server imported is shared by every child until written to; a child's first full
+    # collection would write to every object's header and copy all of it. Frozen, the GC skips them.
+    gc.freeze()
     _say(report, "ready")
     assignment = serve(report)
     if assignment is not None:  # a forked child: run the rank, then exit as its interpreter would
