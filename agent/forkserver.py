@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 
@@ -25,6 +26,7 @@ from agent.processes import RankProcess, spawn
 from training.forkserver import Assignment, unfit
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 WARM_TIMEOUT_S = 180.0  # a server not warm by then is broken (or the host is): replace it
 RETRY_AFTER_S = 30.0  # after a server died warming up: do not spin on a broken interpreter or module
@@ -37,7 +39,9 @@ class ForkServer:
         self.env: dict[str, str] = {}  # the environment the server started with: what `import torch` read
         self.process: asyncio.subprocess.Process | None = None
         self._ready = asyncio.Event()
-        self._asked: dict[int, asyncio.Future[int]] = {}  # request seq: the child's pid
+        # request seq: the child's pid and its exit status, settled together, as `started` is read (its
+        # `exited` may be read right after, before the asking task runs again)
+        self._asked: dict[int, asyncio.Future[tuple[int, asyncio.Future[int]]]] = {}
         self._running: dict[int, asyncio.Future[int]] = {}  # child pid: its exit status
         self._seq = itertools.count()
         self._keeping: asyncio.Task[None] | None = None
@@ -77,14 +81,14 @@ class ForkServer:
                 request = Assignment(seq=seq, argv=argv, env=launch_env, log=log_path, cwd=Path.cwd())
                 process.stdin.write(request.model_dump_json().encode() + b"\n")
                 await process.stdin.drain()
-                pid = await asyncio.wait_for(asked, WARM_TIMEOUT_S)
+                pid, waiter = await asyncio.wait_for(asked, WARM_TIMEOUT_S)
             finally:
                 self._asked.pop(seq, None)
         except (ConnectionError, OSError, TimeoutError) as exc:
             log.warning("cold start: no rank from the fork server", rank=rank, generation=generation, error=str(exc))
             return None
         log.info("rank forked", rank=rank, generation=generation, pid=pid)
-        return RankProcess(rank=rank, generation=generation, pid=pid, log_path=log_path, waiter=self._running[pid])
+        return RankProcess(rank=rank, generation=generation, pid=pid, log_path=log_path, waiter=waiter)
 
     async def close(self) -> None:
         """Stop the server; whatever it still runs dies with it (the agent stops its ranks first)."""
@@ -101,9 +105,7 @@ class ForkServer:
                 process = await self._spawn()
             except OSError as exc:  # out of processes or memory: the host's problem, not a rank's
                 log.warning("cannot start the fork server", error=str(exc))
-                self._backoff = True
-                await asyncio.sleep(self.retry_after)
-                self._backoff = False
+                await self._back_off()
                 continue
             try:
                 served = await self._serve(process, started)
@@ -112,9 +114,15 @@ class ForkServer:
                 self._settle(process)
             log.warning("fork server died", pid=process.pid, code=process.returncode, log=str(self.log_path))
             if not served:
-                self._backoff = True
-                await asyncio.sleep(self.retry_after)
-                self._backoff = False
+                await self._back_off()
+
+    async def _back_off(self) -> None:
+        """Wait before the next server; meanwhile ranks start cold rather than wait for it."""
+        self._backoff = True
+        try:
+            await asyncio.sleep(self.retry_after)
+        finally:
+            self._backoff = False
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,8 +150,8 @@ class ForkServer:
         while line := await process.stdout.readline():
             what, key, value = line.decode().rstrip("\n").split(" ", 2)
             if what == "started":
-                self._running[int(value)] = loop.create_future()
-                _resolve(self._asked.get(int(key)), int(value))
+                exited = self._running[int(value)] = loop.create_future()
+                _resolve(self._asked.get(int(key)), (int(value), exited))
             elif what == "exited":
                 _resolve(self._running.pop(int(key), None), int(value))
             else:  # "failed SEQ REASON": the fork itself failed
@@ -165,11 +173,11 @@ class ForkServer:
             _fail(asked, ConnectionError("the fork server died"))
 
 
-def _resolve(future: asyncio.Future[int] | None, value: int) -> None:
+def _resolve(future: asyncio.Future[T] | None, value: T) -> None:
     if future is not None and not future.done():
         future.set_result(value)
 
 
-def _fail(future: asyncio.Future[int] | None, error: Exception) -> None:
+def _fail(future: asyncio.Future[Any] | None, error: Exception) -> None:
     if future is not None and not future.done():
         future.set_exception(error)

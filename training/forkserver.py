@@ -174,30 +174,40 @@ def serve(report: int) -> Assignment | None:
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
                 assignment = Assignment.model_validate_json(line)
-                sys.stdout.flush()  # what an import left buffered is the server's, not every child's
-                sys.stderr.flush()
-                detached_r, detached_w = os.pipe()
-                try:
-                    pid = os.fork()
-                except OSError as exc:  # out of processes or memory: the agent starts this rank cold
-                    os.close(detached_r)
-                    os.close(detached_w)
-                    _say(report, f"failed {assignment.seq} {exc}")
-                    continue
-                if pid == 0:
+                child = _fork(assignment, report, closing=[*children, report])
+                if child == 0:
                     selector.close()
-                    for fd in (*children, report, detached_r):
-                        os.close(fd)
-                    _detach()
-                    os.close(detached_w)  # the server may say it started: it can be stopped as a rank now
                     return assignment
-                os.close(detached_w)
-                os.read(detached_r, 1)  # EOF once the child leads its own process group (or died)
-                os.close(detached_r)
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = pid
-                selector.register(pidfd, selectors.EVENT_READ)
-                _say(report, f"started {assignment.seq} {pid}")
+                if child is not None:
+                    pidfd = os.pidfd_open(child)
+                    children[pidfd] = child
+                    selector.register(pidfd, selectors.EVENT_READ)
+                    _say(report, f"started {assignment.seq} {child}")
+
+
+def _fork(assignment: Assignment, report: int, closing: list[int]) -> int | None:
+    """Fork the rank's process: 0 in the child (detached, `closing` closed), its pid in the server
+    once it leads its own process group, None if the fork failed (reported)."""
+    sys.stdout.flush()  # what an import left buffered is the server's, not every child's
+    sys.stderr.flush()
+    detached_r, detached_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # out of processes or memory: the agent starts this rank cold
+        os.close(detached_r)
+        os.close(detached_w)
+        _say(report, f"failed {assignment.seq} {exc}")
+        return None
+    if pid == 0:
+        for fd in (*closing, detached_r):
+            os.close(fd)
+        _detach()
+        os.close(detached_w)  # the server may say it started: it can be stopped as a rank now
+        return 0
+    os.close(detached_w)
+    os.read(detached_r, 1)  # EOF once the child leads its own process group (or died)
+    os.close(detached_r)
+    return pid
 
 
 def _detach() -> None:
