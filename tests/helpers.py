@@ -135,21 +135,8 @@ class RecordCollector:
     def __init__(self, client: Client, handle: WorkflowHandle) -> None:
         self.records: list[Record] = []
         self._followed: dict[str, int] = {}  # node → the newest generation followed there
-        self._subscribed: set[str] = set()  # nodes whose agent has taken a subscription
         self._tasks: list[asyncio.Task[None]] = []
         self._watch = asyncio.create_task(self._watch_nodes(client, handle))
-
-    @classmethod
-    async def following(cls, client: Client, handle: WorkflowHandle, timeout: float = 60.0) -> RecordCollector:
-        """A collector already subscribed on every node the run launched on: a test may then kill or
-        drain one of them (an agent forgets a run's records once the run releases it)."""
-        collector = cls(client, handle)
-        async with asyncio.timeout(timeout):
-            while True:
-                nodes = (await handle.query(RunWorkflow.status_query)).nodes
-                if nodes and collector._subscribed.issuperset(nodes):
-                    return collector
-                await asyncio.sleep(0.05)
 
     async def _watch_nodes(self, client: Client, handle: WorkflowHandle) -> None:
         while True:
@@ -160,18 +147,17 @@ class RecordCollector:
                     # before): a short one may pass unseen, even the first, when ranks start fast.
                     since = self._followed.get(node, -1) + 1
                     for generation in range(since, status.generation + 1):
-                        self._tasks.append(asyncio.create_task(self._follow(node, hub, status.run_id, generation)))
+                        self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id, generation)))
                     self._followed[node] = max(status.generation, self._followed.get(node, -1))
             await asyncio.sleep(0.2)
 
-    async def _follow(self, node: str, hub: str, run_id: str, generation: int) -> None:
+    async def _follow(self, hub: str, run_id: str, generation: int) -> None:
         """One generation's records on one node (a record of no generation, such as a GPU reading,
         comes with the stream that was first to see it)."""
         address = Endpoint.parse(hub)
         reader, writer = await asyncio.open_connection(address.host, address.port)
         writer.write(Subscribe(run_id=run_id, generation=generation).model_dump_json().encode() + b"\n")
         await writer.drain()
-        self._subscribed.add(node)
         try:
             while line := await reader.readline():
                 if line.startswith(b'{"t":"beat"'):

@@ -41,7 +41,7 @@ async def test_a_rank_slowed_1_5x_is_rebalanced_and_most_of_the_lost_throughput_
         faults=[{"kind": "straggler", "rank": 2, "factor": 1.5, "from_step": SLOW_FROM}],
     )
     handle = await start(client, spec, "rebalance")
-    collector = await RecordCollector.following(client, handle)
+    collector = RecordCollector(client, handle)
     await wait_until(handle, lambda s: s.escalation is not None and s.escalation.strategy == Strategy.S2_REBALANCE)
     result = await handle.result()
     records = collector.stop()

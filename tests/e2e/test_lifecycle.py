@@ -42,7 +42,7 @@ async def running_past(client: Client, handle: WorkflowHandle, step: int) -> Non
 
 async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, checkpoint_root: Path) -> None:
     handle = await start(client, tiny_spec(checkpoint_root, target_step=150), "drain-spare")
-    collector = await RecordCollector.following(client, handle)
+    collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
@@ -94,7 +94,7 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
 async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: Client, checkpoint_root: Path) -> None:
     spec = tiny_spec(checkpoint_root, target_step=120, spare_nodes=[], min_nodes=1)
     handle = await start(client, spec, "drain-shrink")
-    collector = await RecordCollector.following(client, handle)
+    collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="shrink"))

@@ -48,7 +48,7 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
 ) -> None:
     spec = tiny_spec(checkpoint_root, target_step=100)
     handle = await start(client, spec, "kill-rank")
-    collector = await RecordCollector.following(client, handle)
+    collector = RecordCollector(client, handle)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
     pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)

@@ -72,7 +72,7 @@ async def test_six_nodes_survive_a_killed_rank_and_a_drain(
     client: Client, checkpoint_root: Path, wide: list[str]
 ) -> None:
     handle = await start(client, wide_spec(checkpoint_root, wide[:6], wide[6:], target_step=TARGET), "wide")
-    collector = await RecordCollector.following(client, handle)
+    collector = RecordCollector(client, handle)
     await wait_for_step(client, handle, 23)
     os.kill((await rank_pids(client, handle))["w5"][4], signal.SIGKILL)
     await wait_until(handle, lambda s: s.generation == 1 and s.state == RunState.RUNNING and s.progress.step >= 35)
