@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from core.detectors import SMOOTH_STEPS
+from core.detectors import ABSOLUTE_MIN_EXCESS, SMOOTH_STEPS
 from core.paging import PagingClass
 from core.run import Cause, RunState
 from core.spec import RunSpec
@@ -130,8 +130,9 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
     (slowdown,) = detections
     assert slowdown.diagnosis == "environmental"
     assert slowdown.paging is not None and slowdown.paging.paging == PagingClass.CORRELATED
-    # Compute is 1.3× slower and the all-reduce is not: the step time lands in between.
-    assert slowdown.ratio is not None and 1.15 < slowdown.ratio < 1.4
+    # Compute is 1.3× slower and the all-reduce is not: the step time lands in between, above the
+    # detector's own floor (two cores' jitter moves it within that band: 1.14 was seen in CI).
+    assert slowdown.ratio is not None and 1 + ABSOLUTE_MIN_EXCESS < slowdown.ratio < 1.4
     assert (await handle.query(RunWorkflow.status_query)).nodes == ["n1", "n2"]
     # The page for facilities reached the webhook (an activity of its own, retried, never awaited).
     deadline = time.monotonic() + 30
