@@ -39,21 +39,24 @@ DEVICE_MS = 20
 RESAMPLES = 4000
 
 Block = tuple[int, str, float]  # (cycle, variant, seconds)
-RankBody = Callable[[int, Trainer, int, str, "Queue[Block]"], None]  # rank, trainer, cycles, scratch dir, results
+# rank, its trainer, the group's store (checkpoint shard records), cycles, scratch dir, results
+RankBody = Callable[[int, Trainer, dist.Store, int, str, "Queue[Block]"], None]
 
 
-def trainer_for(rank: int, port: int) -> Trainer:
-    """This rank's trainer in a fresh gloo group of WORLD_SIZE ranks on this host."""
+def trainer_for(rank: int, port: int) -> tuple[Trainer, dist.Store]:
+    """This rank's trainer in a fresh gloo group of WORLD_SIZE ranks on this host, and its store."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE="4"
     )
     trainer = Trainer(parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)]))
-    dist.init_process_group("gloo")
-    return trainer
+    store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
+    return trainer, store
 
 
 def _rank(body: RankBody, rank: int, port: int, cycles: int, directory: str, results: Queue[Block]) -> None:
-    body(rank, trainer_for(rank, port), cycles, directory, results)
+    trainer, store = trainer_for(rank, port)
+    body(rank, trainer, store, cycles, directory, results)
     dist.destroy_process_group()
 
 

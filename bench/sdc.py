@@ -105,13 +105,13 @@ class TimedGuard(SdcGuard):
             self.seconds[part] += time.perf_counter() - started
 
 
-def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
+def blocks(rank: int, trainer: Trainer, store: dist.Store, count: int, directory: str, results: Queue[Block]) -> None:
     """Rank 0 reports every block's time and, after each `self` block, the seconds of the replay on
     the rank that replayed (every other rank waits for it) and the ranks' mean seconds in the
     invariants (they run side by side), as variants "self replay" and "self invariants"."""
     config = SupervisionConfig(run_id="bench-sdc", generation=0, target_step=0, checkpoint_dir=Path(directory))
     faults = FaultInjector([], rank, 0)
-    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, faults)
+    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, store, None, faults)
     guards = {name: TimedGuard(spec, rank, WORLD_SIZE, 0, 0) for name, spec in SPECS.items()}
     for cycle in range(count):
         for name in PLAN:

@@ -71,10 +71,10 @@ def plain_block(trainer: Trainer, rank: int, steps: int) -> None:
         state.step = step
 
 
-def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
+def blocks(rank: int, trainer: Trainer, store: dist.Store, count: int, directory: str, results: Queue[Block]) -> None:
     config = SupervisionConfig(run_id="bench-supervision", generation=0, target_step=0, checkpoint_dir=Path(directory))
     faults = FaultInjector([], rank, 0)
-    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, faults)
+    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, store, None, faults)
     channel = AgentChannel(os.environ[SINK], Hello(run_id=config.run_id, rank=rank, generation=0, pid=os.getpid()))
     guard = SdcGuard(SdcSpec(enabled=False), rank, WORLD_SIZE, 0, 0)
     for cycle in range(count):

@@ -70,6 +70,11 @@ def ledger(status: RunStatus, now: datetime, since: datetime | None = None) -> L
         return _empty()
     spans = list(_spans(status, end))
     book = _partition(spans, start, end)
+    # Checkpoints retention deleted left the state, and their spans with it; their blocking seconds
+    # stay as one total, carved out of the running time of the whole run (they are old: a window of
+    # the last hour holds only checkpoints retention still keeps).
+    if since is None:
+        book[Category.CHECKPOINT] += min(status.deleted_checkpoints.blocking_seconds, end - sum(book.values()))
     running = end - start - sum(book.values())
     # Straggler seconds arrive as one running total (RunStatus.straggler_seconds, from the run
     # monitor), so a window gets its share in proportion to its share of the run's running time.

@@ -30,7 +30,8 @@ class Health(BaseModel):
     interruptions: int
     interruptions_by_cause: dict[str, int]  # the timeline's counts, read in the same state as the ledger
     last_checkpoint: CheckpointRecord | None
-    checkpoint_interval_s: float | None
+    checkpoint_interval_s: float | None  # the interval in force (None: the spec fixes it in steps)
+    checkpoint_interval_why: str  # where it comes from: the spec, or `auto`'s last choice and its C and M
     checkpoint_cost_s: float | None  # C: the blocking seconds of the newest validated checkpoint
     mtbf_s: float  # M: the run's MTBF so far, with the fleet's prior (core.interval.run_mtbf)
     verified_step: int  # the SDC watermark: the newest step at which a check passed
@@ -57,10 +58,13 @@ class Health(BaseModel):
             interruptions_by_cause=dict(Counter(i.cause.value for i in status.interruptions)),
             last_checkpoint=status.latest_valid_checkpoint(),
             checkpoint_interval_s=checkpoint_interval_s,
+            checkpoint_interval_why=status.intervals[-1].why
+            if status.intervals
+            else f"the spec: checkpoint.interval {status.spec.checkpoint.interval}",
             checkpoint_cost_s=valid[-1].blocking_seconds if valid else None,
             mtbf_s=run_mtbf(status, now),
             verified_step=status.verified_step,
-            skipped_updates=sum(d.kind in ("nonfinite", "grad_spike") for d in status.detections),
+            skipped_updates=sum(status.detection_counts.get(kind, 0) for kind in ("nonfinite", "grad_spike")),
         )
 
 

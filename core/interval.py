@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import statistics
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 from core.paging import failures
+from core.run import IntervalChoice
 
 if TYPE_CHECKING:
     from core.run import RunStatus
+
+# A new interval reaches running ranks only when it moves by more than this: C jitters from one
+# checkpoint to the next, and the overhead is flat near Daly's optimum (5% off T* raises C/T + T/2M
+# by 0.12%).
+RETUNE_BY = 0.05
+COST_OF = 5  # C is the median blocking time of the newest validated checkpoints: one slow write moves nothing
 
 
 def young(c: float, m: float) -> float:
@@ -40,21 +48,41 @@ def interval(c: float, m: float, low: float, high: float) -> float:
     return min(max(daly(c, m), low), high)
 
 
-def checkpoint_seconds(status: RunStatus, now: datetime) -> float | None:
-    """The interval ranks should checkpoint at, in seconds (None: the spec fixes it in steps).
-    `auto` recomputes Daly's interval from the newest measured C and the run's MTBF so far.
-
-    The MTBF counts failures only (a drain, a pause or a rollback was asked for, not suffered) over
-    the time the run could fail: wall-clock less the time it sat idle waiting for a person or nodes."""
+def checkpoint_seconds(status: RunStatus) -> float | None:
+    """The interval ranks keep, in seconds (None: the spec fixes it in steps): the spec's, or for
+    `auto` the one in force (choose_interval's newest; before any, `min_interval`)."""
     cfg = status.spec.checkpoint
     if cfg.interval.kind == "seconds":
         return cfg.interval.value
     if cfg.interval.kind != "auto":
         return None
-    measured = [c.blocking_seconds for c in status.checkpoints if c.validated]
+    return status.intervals[-1].seconds if status.intervals else cfg.min_interval
+
+
+def choose_interval(status: RunStatus, now: datetime) -> IntervalChoice | None:
+    """`auto`: the interval ranks should keep now, with why, when it differs from the one in force by
+    more than RETUNE_BY (None: keep it, or the spec fixes the interval). The first checkpoint comes at
+    `min_interval`, to measure C; from then on it is Daly's for the C measured (COST_OF) and the
+    run's M so far, within the spec's bounds."""
+    cfg = status.spec.checkpoint
+    if cfg.interval.kind != "auto":
+        return None
+    m = run_mtbf(status, now)
+    measured = [c.blocking_seconds for c in status.checkpoints if c.validated][-COST_OF:]
     if not measured or status.started_at is None:
-        return cfg.min_interval  # the first checkpoint comes early: it measures C
-    return interval(measured[-1], run_mtbf(status, now), cfg.min_interval, cfg.max_interval)
+        why = "min_interval: the first checkpoint comes early, to measure its cost C"
+        choice = IntervalChoice(at=now, seconds=cfg.min_interval, mtbf_s=m, why=why)
+    else:
+        c = statistics.median(measured)
+        optimum = daly(c, m)
+        seconds = interval(c, m, cfg.min_interval, cfg.max_interval)
+        bound = "" if seconds == optimum else f", held to {'min' if seconds > optimum else 'max'}_interval"
+        why = f"Daly's optimum {optimum:.4g}s for C = {c:.3g}s, M = {m / 3600:.3g}h{bound}"
+        choice = IntervalChoice(at=now, seconds=seconds, cost_s=c, mtbf_s=m, optimum_s=optimum, why=why)
+    in_force = status.intervals[-1] if status.intervals else None
+    if in_force is not None and abs(choice.seconds - in_force.seconds) <= RETUNE_BY * in_force.seconds:
+        return None
+    return choice
 
 
 def run_mtbf(status: RunStatus, now: datetime) -> float:
@@ -67,10 +95,10 @@ def run_mtbf(status: RunStatus, now: datetime) -> float:
     return mtbf(exposed, len(failures(status.interruptions)), status.spec.checkpoint.prior_mtbf)
 
 
-def checkpoint_steps(status: RunStatus, now: datetime) -> float:
+def checkpoint_steps(status: RunStatus) -> float:
     """The checkpoint interval in steps (time-based intervals convert at the p50 step time)."""
     cfg = status.spec.checkpoint
     if cfg.interval.kind == "steps":
         return cfg.interval.value or 1.0
-    seconds = checkpoint_seconds(status, now) or cfg.min_interval
+    seconds = checkpoint_seconds(status) or cfg.min_interval
     return seconds / max(status.progress.step_seconds_p50, 1e-3)

@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from core.text import Text
+
 if TYPE_CHECKING:
     from core.run import Interruption
+    from core.spec import FailureLimit
 
 WINDOW = timedelta(hours=1)
 RATE_FACTOR = 5.0
@@ -42,8 +45,8 @@ class PagingClass(StrEnum):
 class Classification(BaseModel):
     paging: PagingClass
     rule: str
-    evidence: str
-    action: str
+    evidence: Text
+    action: Text
 
 
 # A drain, a pause or a rollback: a person or a detector asked for it; nothing to page about.
@@ -117,6 +120,26 @@ def _same_step(earlier: list[Interruption], latest: Interruption) -> Interruptio
     if latest.step is None or latest.cause in STEP_UNKNOWN_CAUSES:
         return None
     return next((i for i in earlier if i.step == latest.step and i.cause not in STEP_UNKNOWN_CAUSES), None)
+
+
+def over_limit(history: list[Interruption], latest: Interruption, limit: FailureLimit) -> str | None:
+    """Why the run gives up, if `latest` makes more failures within the spec's window than
+    `failure_limit` allows (`history` excludes it); None while it may go on. Planned interruptions
+    never count, and neither does the run's length: only how fast failures come."""
+    if is_planned(latest):
+        return None
+    window = timedelta(seconds=limit.window)
+    within = [i for i in [*failures(history), latest] if latest.at - i.at < window]
+    if len(within) <= limit.failures:
+        return None
+    return (
+        f"gave up: {len(within)} failures within {_hours(limit.window)} (failure_limit: at most {limit.failures}); "
+        f"the last: {latest.line()}"
+    )
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:g}h" if seconds >= 3600 else f"{seconds / 60:g}m" if seconds >= 60 else f"{seconds:g}s"
 
 
 def environmental(ratio: float, evidence: str) -> Classification:

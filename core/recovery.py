@@ -13,13 +13,18 @@ def interruption_from(failure: RankFailed | NodeLost, status: RunStatus, now: da
     """A rank that exited or a node that went silent, as a timeline entry. A rank that refused its
     resume checkpoint also marks that checkpoint unusable: it is not resumable after all."""
     if isinstance(failure, NodeLost):
+        # It died after the last step every rank completed (the monitor's summary): the silence that
+        # gave it away is recovery, and the steps since the checkpoint the next generation loads are lost.
+        last = failure.progress
+        died = datetime.fromtimestamp(last.at, UTC) if last.at > 0 else now
         return Interruption(
-            at=now,
+            at=min(died, now),
             generation=status.generation,
             detected_by="node agent heartbeat timeout",
             cause=Cause.NODE_LOST,
             node=failure.node,
-            step=status.progress.step,
+            step=max(last.step, status.progress.step),
+            detected_after_s=max(0.0, (now - died).total_seconds()),
             detail=failure.detail,
         )
     if failure.exit_code == EXIT_SDC:  # its check's report never reached the monitor: trust only what checkpoints said

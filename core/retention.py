@@ -27,8 +27,7 @@ def to_delete(
     newest `keep_count` that are neither milestones nor the newest verified one (the ancestor an SDC
     rollback needs, however far back the last passing check was). A checkpoint still being
     validated is never among them."""
-    alive = [c for c in checkpoints if not c.deleted]
-    valid = sorted((c for c in alive if c.validated and not c.suspect), key=lambda c: (c.step, c.generation))
+    valid = sorted((c for c in checkpoints if c.validated and not c.suspect), key=lambda c: (c.step, c.generation))
     keep = {id(c) for c in valid[-keep_count(sdc_check_steps, checkpoint_steps) :]}
     keep |= {id(c) for c in [c for c in valid if c.verified][-1:]}
     windows: set[int] = set()
@@ -37,4 +36,4 @@ def to_delete(
         if window not in windows:  # the first valid checkpoint of each six-hour window
             windows.add(window)
             keep.add(id(c))
-    return [c for c in alive if c.validated is False or c.suspect or (c.validated and id(c) not in keep)]
+    return [c for c in checkpoints if c.validated is False or c.suspect or (c.validated and id(c) not in keep)]

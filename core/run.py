@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -16,6 +16,7 @@ from core.lifecycle import RunState
 from core.paging import Classification
 from core.spec import RunSpec
 from core.telemetry import SdcCheck
+from core.text import Text
 
 
 class Cause(StrEnum):
@@ -46,8 +47,8 @@ class Interruption(BaseModel):
     restored_from: str | None = Field(
         default=None, description="'memory' (host-memory tier), 'storage', or 'live' (survivors kept their state)."
     )
-    detail: str = ""
-    actions: list[str] = []
+    detail: Text = ""
+    actions: list[Text] = []
     artifacts: list[str] = []  # files to read: the stack dumps of a hang
     paging: Classification | None = None
     idle_seconds: float = 0.0  # waiting for a person or for nodes (in goodput: idle, not recovery)
@@ -75,8 +76,8 @@ class Detection(BaseModel):
     node: str | None = None
     rank: int | None = None
     diagnosis: str | None = None
-    evidence: str = ""
-    actions: list[str] = []
+    evidence: Text = ""
+    actions: list[Text] = []
     paging: Classification | None = None
 
 
@@ -87,9 +88,8 @@ class CheckpointRecord(BaseModel):
     blocking_seconds: float
     written_at: datetime
     validated: bool | None = None  # None: validation still running
-    reason: str = ""
+    reason: Text = ""
     param_norm: float | None = None
-    deleted: bool = False  # dropped by retention (its record stays)
     # SDC: the newest step at which a check had passed when it was written; `verified` once a check
     # passed at or after its step; `suspect` when a failed check puts it after the last passing one.
     last_verified_step: int = 0
@@ -98,7 +98,47 @@ class CheckpointRecord(BaseModel):
 
     @property
     def resumable(self) -> bool:
-        return bool(self.validated) and not self.suspect and not self.deleted
+        return bool(self.validated) and not self.suspect
+
+
+class DeletedCheckpoints(BaseModel):
+    """What the run keeps of the checkpoints retention deleted: their records leave the state (a month
+    writes tens of thousands), their history stays on storage and in these totals."""
+
+    count: int = 0
+    blocking_seconds: float = 0.0  # their blocking copies: the goodput ledger still counts them
+    newest_step: int | None = None
+
+
+class Sample(BaseModel):
+    """One point of the run's progress series: one per checkpoint judged."""
+
+    at: datetime
+    step: int
+    step_seconds_p50: float
+
+
+class IntervalChoice(BaseModel):
+    """A checkpoint interval the ranks were told to keep, and why (`auto` recomputes Daly's)."""
+
+    at: datetime
+    seconds: float
+    cost_s: float | None = None  # C: the blocking seconds it was computed from (None: not measured yet)
+    mtbf_s: float  # M: the run's MTBF at the time, with the fleet's prior
+    optimum_s: float | None = None  # Daly's interval for that C and M, before the spec's bounds
+    why: str
+
+
+DETECTIONS_KEPT = 256  # a month of stragglers and skipped updates must not grow the state without end
+SERIES_POINTS = 512  # a series the run carries keeps at most this many points, spread over the run
+
+
+def append_bounded(series: list[Any], item: Any, most: int = SERIES_POINTS) -> None:
+    """Append `item`; a full series first drops every other point but the first, so it stays spread
+    over the whole run at half the resolution (its size never passes `most`)."""
+    if len(series) >= most:
+        del series[1::2]
+    series.append(item)
 
 
 class Progress(BaseModel):
@@ -135,9 +175,13 @@ class RunStatus(BaseModel):
     # ranks, which never noticed.
     reattach: bool = False
     interruptions: list[Interruption] = []
-    detections: list[Detection] = []
+    detections: list[Detection] = []  # the newest DETECTIONS_KEPT
+    detection_counts: dict[str, int] = {}  # every detection of the run, by kind
     baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
-    checkpoints: list[CheckpointRecord] = []
+    checkpoints: list[CheckpointRecord] = []  # every checkpoint retention has not deleted
+    deleted_checkpoints: DeletedCheckpoints = DeletedCheckpoints()
+    samples: list[Sample] = []  # step and step time over the run (bounded: append_bounded)
+    intervals: list[IntervalChoice] = []  # every checkpoint interval in force, newest last (bounded)
     straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's reports
     escalation: Escalation | None = None  # the straggler being escalated S1 → S4, if any
     evictions: list[Eviction] = []  # this run's straggler evictions (spacing, one per rack without a person)

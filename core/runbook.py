@@ -22,9 +22,19 @@ from core.events import (
 from core.eviction import Eviction
 from core.launch import Membership, without_node
 from core.lifecycle import RunState, why
-from core.paging import PLANNED, Classification, PagingClass, classify
+from core.paging import PLANNED, Classification, PagingClass, classify, over_limit
 from core.recovery import file_judged, mark_suspect, supersede
-from core.run import Cause, CheckpointRecord, Detection, Interruption, RunStatus
+from core.run import (
+    DETECTIONS_KEPT,
+    Cause,
+    CheckpointRecord,
+    Detection,
+    Interruption,
+    IntervalChoice,
+    RunStatus,
+    Sample,
+    append_bounded,
+)
 from core.spec import RunSpec
 from core.telemetry import Command, CommandKind, SdcCheck
 
@@ -111,11 +121,13 @@ class RunBook:
     def record(self, interruption: Interruption) -> None:
         """The one place a timeline row is written. The next generation fills in where it resumed."""
         status = self.status
+        verdict = over_limit(status.interruptions, interruption, self.spec.failure_limit)
         status.interruptions.append(interruption)
         status.generation += 1
-        if len(status.interruptions) > self.spec.max_restarts:
-            status.failure = f"gave up after {self.spec.max_restarts} restarts; last: {interruption.line()}"
-            self.move(RunState.FAILED, status.failure)
+        if verdict is not None:
+            status.failure = verdict
+            interruption.actions.append(verdict)
+            self.move(RunState.FAILED, verdict)
         elif len(status.nodes) < self.spec.min_nodes:
             self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
 
@@ -127,14 +139,18 @@ class RunBook:
         paging = classify(self.status.interruptions, interruption, baseline_mtbf_s, recent_goodput)
         interruption.paging = paging
         self.record(interruption)
-        if paging.paging == PagingClass.DETERMINISTIC:
+        if paging.paging == PagingClass.DETERMINISTIC and not self.state.terminal:
             self.stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
             interruption.actions.append("stopped the run for a person")
         return paging
 
     def detect(self, detection: Detection) -> None:
-        """Something that stopped nothing (a straggler, a slowdown, a skipped update)."""
-        self.status.detections.append(detection)
+        """Something that stopped nothing (a straggler, a slowdown, a skipped update). The newest
+        DETECTIONS_KEPT stay listed; every one is counted."""
+        status = self.status
+        status.detection_counts[detection.kind] = status.detection_counts.get(detection.kind, 0) + 1
+        status.detections.append(detection)
+        del status.detections[:-DETECTIONS_KEPT]
 
     def resumed(self, step: int) -> None:
         """The generation starting now resumes from `step`: the last interruption learns its cost."""
@@ -177,8 +193,13 @@ class RunBook:
                 continue
             if any(c.path == judged.checkpoint.path for c in status.checkpoints):
                 continue  # a keeper restarted from an older place judged it again
-            status.verified_step = file_judged(status.checkpoints, status.verified_step, judged.checkpoint)
-            status.progress.step = max(status.progress.step, judged.checkpoint.step)
+            checkpoint = judged.checkpoint
+            status.verified_step = file_judged(status.checkpoints, status.verified_step, checkpoint)
+            status.progress.step = max(status.progress.step, checkpoint.step)
+            sample = Sample(
+                at=checkpoint.written_at, step=checkpoint.step, step_seconds_p50=status.progress.step_seconds_p50
+            )
+            append_bounded(status.samples, sample)
             if status.state == RunState.CHECKPOINTING and self.held_at is None:
                 self.move(RunState.RUNNING)
             self.on_checkpoint(status)
@@ -208,10 +229,17 @@ class RunBook:
         return any(c.step == step and c.generation == generation for c in self.status.checkpoints)
 
     def _deleted(self, paths: list[str]) -> None:
-        if paths:
-            for record in self.status.checkpoints:
-                if record.path in paths:
-                    record.deleted = True
+        """Retention deleted these: their records leave the state, their totals stay."""
+        if not paths:
+            return
+        status, gone = self.status, set(paths)
+        summary = status.deleted_checkpoints
+        for record in status.checkpoints:
+            if record.path in gone:
+                summary.count += 1
+                summary.blocking_seconds += record.blocking_seconds
+                summary.newest_step = max(summary.newest_step or 0, record.step)
+        status.checkpoints = [c for c in status.checkpoints if c.path not in gone]
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -285,6 +313,10 @@ class RunBook:
 
     # -- commands ------------------------------------------------------------------------------
 
-    def command(self, kind: CommandKind, speeds: list[float] | None = None) -> Command:
+    def command(self, kind: CommandKind, speeds: list[float] | None = None, seconds: float | None = None) -> Command:
         self.status.command_seq += 1
-        return Command(seq=self.status.command_seq, kind=kind, speeds=speeds or [])
+        return Command(seq=self.status.command_seq, kind=kind, speeds=speeds or [], seconds=seconds)
+
+    def keep_interval(self, choice: IntervalChoice) -> None:
+        """The ranks keep this checkpoint interval from now on (`auto`: at launch, or by a command)."""
+        append_bounded(self.status.intervals, choice)

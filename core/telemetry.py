@@ -237,18 +237,20 @@ def frame_seq(frame: bytes) -> int:
     return int.from_bytes(frame[:8], "little")
 
 
-CommandKind = Literal["checkpoint", "hold", "exit", "rebalance"]
+CommandKind = Literal["checkpoint", "hold", "exit", "rebalance", "interval"]
 
 
 class Command(_Message):
     """A control command for every rank of a run. Ranks agree on the step at which they act on it:
     `checkpoint` now; `hold` (finish the step, checkpoint, then wait for a Rejoin); `exit`;
-    `rebalance` (split the global batch by `speeds`, one relative speed per rank: escalation S2)."""
+    `rebalance` (split the global batch by `speeds`, one relative speed per rank: escalation S2);
+    `interval` (checkpoint every `seconds` from now on: `auto` recomputed Daly's interval)."""
 
     t: Literal["command"] = "command"
     seq: int = Field(ge=1)
     kind: CommandKind
     speeds: list[float] = []
+    seconds: float | None = Field(default=None, gt=0)
 
 
 class Rejoin(_Message):

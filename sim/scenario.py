@@ -88,7 +88,6 @@ def spec(nodes: int, root: Path) -> RunSpec:
             "target_step": TARGET,
             "checkpoint": {"root": str(root), "interval": f"{CHECKPOINT_EVERY} steps"},
             "health": {"node_heartbeat_timeout": "5s"},
-            "max_restarts": 50,
         }
     )
 

@@ -60,9 +60,9 @@ async def start(client: Client, spec: RunSpec, prefix: str) -> WorkflowHandle:
 
 
 async def wait_until(
-    handle: WorkflowHandle, predicate: Callable[[RunStatus], bool], timeout: float = 120.0
+    handle: WorkflowHandle, predicate: Callable[[RunStatus], bool], timeout: float = 120.0, every: float = 0.3
 ) -> RunStatus:
-    """Poll the run's status query until `predicate(status)` holds."""
+    """Poll the run's status query every `every` seconds until `predicate(status)` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -71,7 +71,7 @@ async def wait_until(
                 return status
         except Exception:  # between tasks, or the supervisor is being restarted
             pass
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(every)
     raise TimeoutError(f"{handle.id}: condition not reached in {timeout}s")
 
 

@@ -26,7 +26,7 @@ from training.channel import AgentChannel
 from training.memory import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
-_KINDS = ("checkpoint", "hold", "exit", "rebalance")
+_KINDS = ("checkpoint", "hold", "exit", "rebalance", "interval")
 VOTES = len(_KINDS) + 1  # the slots `Supervision.votes` adds to the gradient all-reduce
 
 
@@ -103,7 +103,9 @@ class Supervision:
         self._seen = dict.fromkeys(_KINDS, 0)  # commands received, per kind
         self._acted = dict.fromkeys(_KINDS, 0)  # commands all ranks acted on, per kind
         self._last_checkpoint = time.monotonic()
+        self.every_seconds = config.every_seconds  # the checkpoint interval in force (an `interval` command moves it)
         self._speeds: list[float] = []  # of the newest rebalance command received
+        self._seconds = 0.0  # of the newest interval command received
         self._vote: list[float] = []
         self._vote_tensor = torch.zeros(VOTES)
 
@@ -115,8 +117,11 @@ class Supervision:
                 if isinstance(message, Command) and message.seq not in self._seqs:
                     self._seqs.add(message.seq)
                     self._seen[message.kind] += 1
-                    self._speeds = message.speeds if message.kind == "rebalance" else self._speeds
-        every = self.config.every_seconds
+                    if message.kind == "rebalance":
+                        self._speeds = message.speeds
+                    elif message.kind == "interval" and message.seconds is not None:
+                        self._seconds = message.seconds
+        every = self.every_seconds
         due_by_time = every is not None and time.monotonic() - self._last_checkpoint >= every
         vote = [*(float(self._seen[k]) for k in _KINDS), float(due_by_time)]
         if vote != self._vote:  # the same vote as last step, most steps: its tensor is reused
@@ -144,6 +149,8 @@ class Supervision:
             or step == self.config.target_step
         )
         speeds = self._agree_on_speeds() if news["rebalance"] else None
+        if news["interval"] and (seconds := self._agree_on_interval()) > 0:
+            self.every_seconds = seconds
         self._acted = {kind: -(-sums[kind] // world) if news[kind] else self._acted[kind] for kind in _KINDS}
         if checkpoint:
             self._last_checkpoint = time.monotonic()
@@ -160,6 +167,15 @@ class Supervision:
             speeds[:] = torch.tensor(self._speeds, dtype=torch.float64)
         dist.all_reduce(speeds, op=dist.ReduceOp.MAX)
         return [float(s) for s in speeds]
+
+    def _agree_on_interval(self) -> float:
+        """The newest interval any rank has received (the most received), as its holders give it; the
+        others contribute zero and take the MAX. Two tiny collectives, once per change."""
+        newest = torch.tensor([self._seen["interval"]], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        seconds = torch.tensor([self._seconds if self._seen["interval"] == int(newest) else 0.0], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds)
 
     def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:
         """Holding: wait for the next generation's membership; None means exit (told to, or nobody called)."""

@@ -9,6 +9,7 @@ view, the embedded development stack and the demo.
     stayalive timeline ID             the interruption timeline
     stayalive health ID               step, step times, goodput, nodes, checkpoint interval
     stayalive checkpoints ID          every checkpoint: validated or not, and why
+    stayalive report ID [--out DIR]   PNG plots: goodput, checkpoint interval, interruptions, step time
     stayalive checkpoint ID           force a checkpoint at the next agreed step
     stayalive drain ID NODE           take a node out (drain, wait, checkpoint, resize, resume)
     stayalive pause ID / resume ID    hold every rank at a step / go on
@@ -27,6 +28,7 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import NoReturn
 
@@ -40,6 +42,7 @@ from core.run import RunResult, RunState
 from core.spec import RunSpec
 from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
 from workers.devstack import DevStack, StackError
+from workers.report import write_report
 from workers.supervisor import connect
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
@@ -190,6 +193,13 @@ async def checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+async def plots(args: argparse.Namespace) -> int:
+    status = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.status_query)
+    for path in write_report(status, datetime.now(UTC), args.out or Path(f"report-{args.id}")):
+        print(path)
+    return 0
+
+
 async def control(args: argparse.Namespace) -> int:
     """The signals and updates a person sends a run; a rejected update prints why."""
     client = await _client(args)
@@ -281,6 +291,9 @@ def parser() -> argparse.ArgumentParser:
     for name in ("watch", "timeline", "health", "checkpoints", "checkpoint", "resume"):
         p = commands.add_parser(name)
         p.add_argument("id", help="the run's workflow id")
+    p = commands.add_parser("report", help="PNG plots of a run: goodput, checkpoint interval, interruptions, step time")
+    p.add_argument("id", help="the run's workflow id")
+    p.add_argument("--out", type=Path, default=None, help="folder for the plots (default ./report-ID, created)")
     p = commands.add_parser("pause")
     p.add_argument("id")
     p.add_argument("--reason", default="paused by an operator")
@@ -310,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "timeline": timeline,
         "health": health,
         "checkpoints": checkpoints,
+        "report": plots,
         "fleet": fleet,
         **dict.fromkeys(("checkpoint", "pause", "resume", "drain", "resume-from"), control),
     }

@@ -123,8 +123,8 @@ async def ui_url(handle: WorkflowHandle, ui: str | None) -> str | None:
 
 
 def checkpoints_table(records: list[CheckpointRecord]) -> Table:
-    table = Table(title="Checkpoints", title_justify="left")
-    for column in ("step", "generation", "blocking s", "validated", "SDC", "why", "kept"):
+    table = Table(title="Checkpoints retention keeps", title_justify="left")
+    for column in ("step", "generation", "blocking s", "validated", "SDC", "why"):
         table.add_column(column)
     for c in records:
         verdict = "…" if c.validated is None else ("yes" if c.validated else "no")
@@ -137,7 +137,6 @@ def checkpoints_table(records: list[CheckpointRecord]) -> Table:
             verdict,
             sdc,
             c.reason,
-            "no" if c.deleted else "yes",
         )
     return table
 

@@ -20,6 +20,7 @@ from workflows import calls, incidents, stragglers
 from workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
+    from core.control import CommandRanks
     from core.events import (
         AllHeld,
         AnomalyFound,
@@ -38,7 +39,9 @@ with workflow.unsafe.imports_passed_through():
         StragglerFound,
     )
     from core.faults import HARDWARE
+    from core.interval import choose_interval
     from core.launch import Launch, supervision_env
+    from core.lifecycle import RunState
     from core.runbook import RunBook
 
 
@@ -112,7 +115,7 @@ def start_monitor(book: RunBook, first_step: bool, checkpoint_steps: float) -> G
     assert status.started_at is not None
     keeper = KeeperInput(
         root=spec.checkpoint.root,
-        checkpoints=[c for c in status.checkpoints if not c.deleted],
+        checkpoints=status.checkpoints,
         verified_step=status.verified_step,
         started_at=status.started_at,
         sdc_check_steps=spec.sdc.self_check_every,
@@ -166,12 +169,26 @@ async def supervise(
                 return event  # type: ignore[return-value]  # the union of what `ends` picks
             await _on_finding(book, inbox, event)
         book.file_verdicts(inbox.take_verdicts())
+        await retune(book)
         if until():
             return None
         if take_requests and inbox.requests:
             return inbox.requests.pop(0)
         if reattach_due():
             return Reattach()
+
+
+async def retune(book: RunBook) -> None:
+    """`auto`: a checkpoint measured C anew, or the run's M moved: the running ranks keep the new
+    interval from the next step they agree on, without a restart."""
+    if book.state != RunState.RUNNING or (choice := choose_interval(book.status, workflow.now())) is None:
+        return
+    book.keep_interval(choice)
+    status = book.status
+    command = CommandRanks(
+        run_id=status.run_id, nodes=status.nodes, command=book.command("interval", seconds=choice.seconds)
+    )
+    await calls.command(command, f"checkpoint every {choice.seconds:.4g}s from now: {choice.why}")
 
 
 async def _news_or_end(inbox: Inbox, gen: Generation) -> None:

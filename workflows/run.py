@@ -39,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from core.goodput import ledger, recent_goodput
     from core.health import Health, health_table
-    from core.interval import checkpoint_seconds, checkpoint_steps
+    from core.interval import checkpoint_seconds, checkpoint_steps, choose_interval
     from core.paging import Page
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.runbook import RunBook
@@ -156,8 +156,8 @@ class RunWorkflow:
 
     @workflow.query
     def checkpoints(self) -> list[CheckpointRecord]:
-        """Every checkpoint the run wrote: validated or not, and why; SDC-verified, unverified or
-        suspect; deleted by retention or kept."""
+        """Every checkpoint retention keeps: validated or not, and why; SDC-verified, unverified or
+        suspect. What it deleted is counted in the status (`deleted_checkpoints`), not listed."""
         return self.book.status.checkpoints
 
     @workflow.signal
@@ -248,6 +248,8 @@ class RunWorkflow:
                 await checkpoints.judge_leftovers(book)
             resume = status.latest_valid_checkpoint()
             book.resumed(resume.step if resume else 0)
+            if (choice := choose_interval(status, workflow.now())) is not None:
+                book.keep_interval(choice)  # the launch carries it
             launched = await calls.launch(generation.launch_request(book, self._checkpoint_seconds()))
             await self._file_pages()
             if not launched.started:
@@ -352,10 +354,10 @@ class RunWorkflow:
         return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
 
     def _checkpoint_seconds(self) -> float | None:
-        return checkpoint_seconds(self.book.status, workflow.now())
+        return checkpoint_seconds(self.book.status)
 
     def _checkpoint_steps(self) -> float:
-        return checkpoint_steps(self.book.status, workflow.now())
+        return checkpoint_steps(self.book.status)
 
     def _show(self, status: RunStatus, note: str) -> None:
         """The web UI's view of a change of state: the run's details, and what runs are listed by.

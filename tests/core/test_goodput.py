@@ -9,10 +9,13 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 
+from core.events import FirstStep, NodeLost
 from core.goodput import Ledger, ledger, recent_goodput, straggler_wait
 from core.interval import overhead, young
 from core.paging import PagingClass, classify
+from core.recovery import interruption_from
 from core.run import Cause, CheckpointRecord, Interruption, Progress, RunState, RunStatus
+from core.runbook import RunBook
 from tests.core.runs import T0, at, checkpoint, interruption, status
 
 STEP_S = 2.0
@@ -236,3 +239,23 @@ def test_straggler_wait_is_actual_against_ideal_step_time(
     compute: list[float], step_s: float, stragglers: list[int], baseline: float | None, expected: float
 ) -> None:
     assert straggler_wait(np.array(compute), step_s, stragglers, baseline) == pytest.approx(expected)
+
+
+def test_a_lost_node_costs_its_work_since_the_checkpoint_and_its_silence() -> None:
+    """A node dies right after step 1,450 (2 s a step, checkpoint at 1,000); its agent's silence gives
+    it away 15 s later; the next generation loads step 1,000 and steps 60 s after the death. Lost: 450
+    steps (900 s). Recovery: the 15 s of silence and the restart after it, 60 s in all."""
+    status = run(first_step_at=at(minutes=5))
+    status.progress.step_seconds_p50 = 2.0
+    died = at(hours=3)
+    last = Progress(step=1450, at=died.timestamp(), step_seconds_p50=2.0)
+    lost = interruption_from(NodeLost(node="n2", detail="silent", progress=last), status, died + timedelta(seconds=15))
+    assert (lost.at, lost.step, lost.detected_after_s) == (died, 1450, 15.0)
+    book = RunBook(status)
+    book.record(lost)
+    book.resumed(1000)
+    book.observe(FirstStep(step=1001, at=(died + timedelta(seconds=60)).timestamp(), progress=last))
+    assert lost.lost_steps == 450 and lost.restart_seconds == 60.0
+    result = ledger(status, at(hours=4))
+    assert (result.lost, result.recovery) == (900.0, 60.0)
+    assert_partition(result)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from datetime import datetime
 
 import pytest
 
-from core.interval import checkpoint_seconds, daly, interval, mtbf, overhead, young
-from core.run import Cause, RunStatus
+from core.interval import checkpoint_seconds, choose_interval, daly, interval, mtbf, overhead, young
+from core.run import Cause, IntervalChoice, RunStatus
 from tests.core.runs import at, checkpoint, interruption, spec, status
 
 # Seed 003: Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs.
@@ -119,11 +120,16 @@ def run_with(failures: int, **fields: object) -> RunStatus:
     return status(interruptions=crashes, **fields)
 
 
+def chosen(status: RunStatus, now: datetime) -> float:
+    choice = choose_interval(status, now)
+    assert choice is not None
+    return choice.seconds
+
+
 def test_a_run_failing_twice_as_often_checkpoints_sooner_than_one_failing_half_as_often() -> None:
     now = at(hours=DAY)
     # The prior MTBF is 6 h, so 4 failures in a day is the expected rate; 8 doubles it, 2 halves it.
-    doubled, expected, halved = (checkpoint_seconds(run_with(n), now) for n in (8, 4, 2))
-    assert doubled is not None and expected is not None and halved is not None
+    doubled, expected, halved = (chosen(run_with(n), now) for n in (8, 4, 2))
     assert doubled < expected < halved
     assert doubled == pytest.approx(daly(C, 30 * 3600 / 9))  # M = (6 h + 24 h) / (1 + 8)
     assert halved == pytest.approx(daly(C, 30 * 3600 / 3))
@@ -132,19 +138,41 @@ def test_a_run_failing_twice_as_often_checkpoints_sooner_than_one_failing_half_a
 def test_planned_interruptions_and_idle_time_do_not_move_the_interval() -> None:
     """A drain or a rollback was asked for, not suffered; a run paused for a day could not fail."""
     now = at(hours=DAY)
-    expected = checkpoint_seconds(run_with(4), now)
+    expected = chosen(run_with(4), now)
     planned = run_with(4)
     planned.interruptions += [interruption(at(hours=3), Cause.DRAIN), interruption(at(hours=9), Cause.ROLLBACK)]
-    assert checkpoint_seconds(planned, now) == pytest.approx(expected)
+    assert chosen(planned, now) == pytest.approx(expected)
     paused = run_with(4)
     paused.interruptions.append(interruption(at(hours=12), Cause.PAUSE, idle_seconds=DAY * 3600))
-    assert checkpoint_seconds(paused, at(hours=2 * DAY)) == pytest.approx(expected)
+    assert chosen(paused, at(hours=2 * DAY)) == pytest.approx(expected)
 
 
 def test_interval_follows_the_spec_before_and_outside_auto() -> None:
     now = at(hours=DAY)
-    assert checkpoint_seconds(run_with(4, checkpoints=[]), now) == MIN  # first checkpoint early: it measures C
-    assert checkpoint_seconds(run_with(4, spec=spec(interval="10m")), now) == 600.0
-    assert checkpoint_seconds(run_with(4, spec=spec(interval="200 steps")), now) is None
-    floor = checkpoint_seconds(run_with(8, spec=spec(min_interval="30m")), now)
-    assert floor == 1800.0  # Daly says ~14 min; the spec's floor wins
+    first = choose_interval(run_with(4, checkpoints=[]), now)
+    assert first is not None and first.seconds == MIN and "measure" in first.why  # early: it measures C
+    assert checkpoint_seconds(run_with(4, checkpoints=[])) == MIN  # in force before any choice
+    assert checkpoint_seconds(run_with(4, spec=spec(interval="10m"))) == 600.0
+    assert choose_interval(run_with(4, spec=spec(interval="10m")), now) is None
+    assert checkpoint_seconds(run_with(4, spec=spec(interval="200 steps"))) is None
+    floor = choose_interval(run_with(8, spec=spec(min_interval="30m")), now)
+    assert floor is not None and floor.seconds == 1800.0  # Daly says ~14 min; the spec's floor wins
+    assert floor.optimum_s is not None and floor.optimum_s < 1800 and "held to min_interval" in floor.why
+
+
+@pytest.mark.parametrize(
+    ("in_force_by", "changes"),
+    [(1.0, False), (1.04, False), (0.96, False), (1.06, True), (0.9, True), (2.0, True)],
+)
+def test_a_new_interval_reaches_the_ranks_only_when_it_moves_by_more_than_5_percent(
+    in_force_by: float, changes: bool
+) -> None:
+    now = at(hours=DAY)
+    run = run_with(4)
+    optimum = chosen(run, now)
+    run.intervals = [IntervalChoice(at=at(hours=1), seconds=optimum * in_force_by, mtbf_s=6 * 3600, why="earlier")]
+    choice = choose_interval(run, now)
+    assert (choice is not None) == changes
+    assert checkpoint_seconds(run) == optimum * in_force_by  # what the ranks keep until a command moves it
+    if choice is not None:
+        assert choice.seconds == pytest.approx(optimum) and choice.cost_s == C and "Daly" in choice.why

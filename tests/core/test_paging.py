@@ -3,10 +3,13 @@ rule wins when several match."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
-from core.paging import PLANNED, PLANNED_CAUSES, PagingClass, classify
+from core.paging import PLANNED, PLANNED_CAUSES, PagingClass, classify, over_limit
 from core.run import Cause, Interruption
+from core.spec import FailureLimit
 from tests.core.runs import at, interruption
 
 HOUR = 3600.0
@@ -136,3 +139,51 @@ def test_evidence_names_the_earlier_failure_at_that_step() -> None:
     verdict = classify(history, crash(3.0, "n3", 500, Cause.HANG, generation=2), PRIOR_MTBF, None)
     assert verdict.evidence == "hang at step 500 again (also crash in generation 1)"
     assert "stop the run" in verdict.action
+
+
+# -- the failure limit: a rate over a window, never the run's length ---------------------------------
+def every(hours: float, count: int, cause: Cause = Cause.CRASH, start: float = 0.0) -> list[Interruption]:
+    """`count` interruptions `hours` apart, on different nodes and steps."""
+    return [crash(start + n * hours, f"n{n}", 100 * n + 1, cause) for n in range(count)]
+
+
+DEFAULT_LIMIT = FailureLimit()  # 20 failures within 6 h
+
+LIMIT_CASES = [
+    pytest.param(
+        every(SEED_MTBF / HOUR, 232), DEFAULT_LIMIT, None, id="a month at 16,384 GPUs: 233 failures, 3.1 h apart"
+    ),
+    pytest.param(every(0.3, 20), DEFAULT_LIMIT, None, id="20 failures in 6 h is the limit itself"),
+    pytest.param(every(0.28, 20), DEFAULT_LIMIT, "21 failures within 6h", id="the 21st within 6 h gives up"),
+    pytest.param(
+        [*every(0.01, 20), crash(6.5, "n-late", 77_777)], DEFAULT_LIMIT, None, id="20 at once, then 6 h of calm"
+    ),
+    pytest.param(
+        every(0.01, 100, Cause.DRAIN) + every(0.01, 100, Cause.PAUSE, 1) + every(0.01, 100, Cause.ROLLBACK, 2),
+        FailureLimit(failures=3),
+        None,
+        id="300 planned interruptions in 3 h never count",
+    ),
+    pytest.param(every(0.1, 3), FailureLimit(failures=3, window=3600), "4 failures within 1h", id="a tight limit"),
+    pytest.param(every(0.1, 3), FailureLimit(failures=3, window=60), None, id="a 1 min window: 6 min apart is slow"),
+]
+
+
+@pytest.mark.parametrize(("history", "limit", "verdict"), LIMIT_CASES)
+def test_the_run_gives_up_only_when_failures_come_too_fast(
+    history: list[Interruption], limit: FailureLimit, verdict: str | None
+) -> None:
+    # The latest failure comes 0.3 h after the last of `history` (on its own node and step).
+    last = max((i.at for i in history), default=at(hours=0))
+    latest = interruption(last + timedelta(hours=0.3), Cause.CRASH, node="n-latest", step=999_999)
+    found = over_limit(history, latest, limit)
+    if verdict is None:
+        assert found is None
+    else:
+        assert found is not None and verdict in found and "failure_limit" in found and "n-latest" in found
+
+
+def test_a_planned_interruption_is_never_over_the_limit() -> None:
+    history = every(0.01, 50)
+    drain = interruption(at(hours=1), Cause.DRAIN, node="n1", step=5)
+    assert over_limit(history, drain, FailureLimit(failures=1)) is None

@@ -6,8 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from core.events import CheckpointJudged
+from core.goodput import ledger
 from core.retention import keep_count, to_delete
-from core.run import CheckpointRecord
+from core.run import SERIES_POINTS, CheckpointRecord
+from core.runbook import RunBook
+from tests.core.runs import spec, status
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -48,10 +52,26 @@ def test_old_checkpoints_go_but_milestones_and_pending_ones_stay() -> None:
     assert 1600 in dropped
 
 
-def test_deleted_checkpoints_are_not_deleted_twice() -> None:
-    history = [record(100 * (i + 1), 0.1 * i) for i in range(12)]
-    history[0].deleted = True
-    assert all(not c.deleted for c in to_delete(history, START, 100, 100))
+def test_a_month_of_checkpoints_keeps_the_state_small() -> None:
+    """A checkpoint every five minutes for 30 days, retention applied to each as the keeper does: the state keeps
+    the records retention keeps (the newest few, a milestone per six hours), and the ledger still
+    counts every blocking second."""
+    book = RunBook(status(spec=spec(interval="5m"), started_at=START, first_step_at=START))
+    written = 30 * 24 * 12
+    for n in range(written):
+        checkpoint = record(10 * (n + 1), (n + 1) / 12)
+        deleted = to_delete([*book.status.checkpoints, checkpoint], START, sdc_check_steps=100, checkpoint_steps=10)
+        book.file_verdicts([CheckpointJudged(generation=0, checkpoint=checkpoint, deleted=[d.path for d in deleted])])
+    kept = book.status.checkpoints
+    assert len(kept) == keep_count(100, 10) + 30 * 4  # the newest 32, and a milestone per six hours
+    summary = book.status.deleted_checkpoints
+    assert summary.count + len(kept) == written
+    assert summary.newest_step is not None and summary.newest_step < kept[-1].step
+    book.status.progress.step_seconds_p50 = 6.0
+    end = START + timedelta(days=30)
+    assert ledger(book.status, end).checkpoint == pytest.approx(0.1 * written)
+    assert len(book.status.samples) <= SERIES_POINTS
+    assert len(book.status.model_dump_json()) < 64 * 1024
 
 
 def test_the_newest_verified_checkpoint_survives_and_suspect_ones_go() -> None:

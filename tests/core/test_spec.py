@@ -48,6 +48,9 @@ INVALID = [
     ("bad name", {"name": "GPT run!"}, "name", "lowercase"),
     ("bad interval", {"checkpoint": {"root": "/x", "interval": "often"}}, "checkpoint.interval", "'auto'"),
     ("negative duration", {"health": {"step_timeout": "-5s"}}, "health.step_timeout", None),
+    ("the retired max_restarts", {"max_restarts": 100}, "", "set failure_limit"),
+    ("a failure limit of none", {"failure_limit": {"failures": 0}}, "failure_limit.failures", None),
+    ("a failure window of none", {"failure_limit": {"window": "0s"}}, "failure_limit.window", None),
 ]
 
 

@@ -95,7 +95,7 @@ async def simulate(client: Client, root: Path, interruptions: int, server: str) 
     spec = tiny_spec(
         root,
         target_step=CHECKPOINT_EVERY * (interruptions + 1),
-        max_restarts=interruptions,
+        failure_limit={"failures": interruptions},  # 300 crashes in half a minute: far above any real rate
         checkpoint={"root": str(root), "interval": f"{CHECKPOINT_EVERY} steps"},
     )
     schedule = FailureSchedule.crash_every_generation(interruptions, CRASH_AFTER, world_size=spec.world_size)

@@ -1,0 +1,55 @@
+"""`checkpoint.interval: "auto"` on a real run: the interval Daly's formula gives once the first
+checkpoint has measured its cost reaches the ranks while they train, without a restart."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.client import Client
+
+from core.run import RunState
+from tests.helpers import start, tiny_spec
+from workflows.run import RunWorkflow
+
+FIRST_S = 1.0  # min_interval: the first checkpoint comes early, to measure C
+THEN_S = 3.0  # max_interval: Daly's optimum for a tiny C and a 1,000 h prior MTBF is minutes; the bound holds it
+
+
+async def test_an_auto_interval_that_changes_mid_generation_reaches_the_running_ranks(
+    client: Client, checkpoint_root: Path
+) -> None:
+    checkpoint = {
+        "root": str(checkpoint_root),
+        "interval": "auto",
+        "min_interval": f"{FIRST_S}s",
+        "max_interval": f"{THEN_S}s",
+        "prior_mtbf": "1000h",
+    }
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=500, checkpoint=checkpoint), "auto-interval")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    assert result.interruptions == [], "one generation: the new interval came by command, not by a restart"
+
+    status = await handle.query(RunWorkflow.status_query)
+    assert [i.seconds for i in status.intervals] == [FIRST_S, THEN_S]
+    measured, retuned = status.intervals
+    assert "measure" in measured.why and measured.cost_s is None
+    assert retuned.cost_s is not None and retuned.optimum_s is not None and retuned.optimum_s > THEN_S
+    assert "held to max_interval" in retuned.why
+
+    # One sample per checkpoint judged (the target step's comes whenever the run ends). Checkpoints
+    # the ranks wrote at the old interval while the command travelled are judged just after it.
+    written = [s.at for s in status.samples if s.step < 500]
+    gaps = [(a, (b - a).total_seconds()) for a, b in itertools.pairwise(written)]
+    before = [gap for a, gap in gaps if a < retuned.at]
+    after = [gap for a, gap in gaps if a >= retuned.at + timedelta(seconds=2 * FIRST_S)]
+    assert len(after) >= 2, f"checkpoints after the change: {written}"
+    assert 0.8 * THEN_S < statistics.median(after) < 1.3 * THEN_S, after
+    assert min(after) > 2 * FIRST_S, f"a checkpoint at the old interval after the ranks agreed on the new one: {after}"
+    assert before and max(before) < 2 * FIRST_S, before
+
+    health = await handle.query(RunWorkflow.health)
+    assert health.checkpoint_interval_s == THEN_S and health.checkpoint_interval_why == retuned.why
