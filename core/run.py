@@ -129,6 +129,7 @@ class IntervalChoice(BaseModel):
     why: str
 
 
+REJECTED_KEPT = 64
 DETECTIONS_KEPT = 256  # a month of stragglers and skipped updates must not grow the state without end
 SERIES_POINTS = 512  # a series the run carries keeps at most this many points, spread over the run
 
@@ -180,6 +181,9 @@ class RunStatus(BaseModel):
     baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
     checkpoints: list[CheckpointRecord] = []  # every checkpoint retention has not deleted
     deleted_checkpoints: DeletedCheckpoints = DeletedCheckpoints()
+    # The newest REJECTED_KEPT of those retention deleted as invalid or suspect: why each was refused
+    # stays readable after its files are gone.
+    rejected_checkpoints: list[CheckpointRecord] = []
     samples: list[Sample] = []  # step and step time over the run (bounded: append_bounded)
     intervals: list[IntervalChoice] = []  # every checkpoint interval in force, newest last (bounded)
     straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's reports

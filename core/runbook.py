@@ -26,6 +26,7 @@ from core.paging import PLANNED, Classification, PagingClass, classify, over_lim
 from core.recovery import file_judged, mark_suspect, supersede
 from core.run import (
     DETECTIONS_KEPT,
+    REJECTED_KEPT,
     Cause,
     CheckpointRecord,
     Detection,
@@ -229,7 +230,8 @@ class RunBook:
         return any(c.step == step and c.generation == generation for c in self.status.checkpoints)
 
     def _deleted(self, paths: list[str]) -> None:
-        """Retention deleted these: their records leave the state, their totals stay."""
+        """Retention deleted these: their records leave the state, their totals stay, and so does
+        the record of one refused (invalid or suspect), among the newest REJECTED_KEPT."""
         if not paths:
             return
         status, gone = self.status, set(paths)
@@ -239,6 +241,9 @@ class RunBook:
                 summary.count += 1
                 summary.blocking_seconds += record.blocking_seconds
                 summary.newest_step = max(summary.newest_step or 0, record.step)
+                if record.validated is False or record.suspect:
+                    status.rejected_checkpoints.append(record)
+        del status.rejected_checkpoints[:-REJECTED_KEPT]
         status.checkpoints = [c for c in status.checkpoints if c.path not in gone]
 
     # -- requests ------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ async def ui_url(handle: WorkflowHandle, ui: str | None) -> str | None:
 
 
 def checkpoints_table(records: list[CheckpointRecord]) -> Table:
-    table = Table(title="Checkpoints retention keeps", title_justify="left")
+    table = Table(title="Checkpoints (kept, and the newest refused)", title_justify="left")
     for column in ("step", "generation", "blocking s", "validated", "SDC", "why"):
         table.add_column(column)
     for c in records:

@@ -156,9 +156,11 @@ class RunWorkflow:
 
     @workflow.query
     def checkpoints(self) -> list[CheckpointRecord]:
-        """Every checkpoint retention keeps: validated or not, and why; SDC-verified, unverified or
-        suspect. What it deleted is counted in the status (`deleted_checkpoints`), not listed."""
-        return self.book.status.checkpoints
+        """Every checkpoint retention keeps, and the newest it deleted as refused, in step order:
+        validated or not, and why; SDC-verified, unverified or suspect. The valid ones it deleted
+        are counted in the status (`deleted_checkpoints`), not listed."""
+        status = self.book.status
+        return sorted([*status.rejected_checkpoints, *status.checkpoints], key=lambda c: (c.step, c.generation))
 
     @workflow.signal
     async def force_checkpoint(self) -> None:

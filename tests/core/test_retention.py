@@ -85,3 +85,14 @@ def test_the_newest_verified_checkpoint_survives_and_suspect_ones_go() -> None:
     assert 30 not in dropped
     assert 400 in dropped  # suspect: never resumed from, so not kept
     assert dropped == {20, 40, 50, 60, 70, 400}  # 10: the first six-hour milestone; 80-390: the newest 32
+
+
+def test_a_refused_checkpoint_deleted_by_retention_stays_readable() -> None:
+    book = RunBook(status(started_at=START, first_step_at=START))
+    good, bad = record(10, 0.1), record(20, 0.2, validated=False)
+    bad.reason = "shard 2: 1024 bytes, manifest says 4096"
+    book.file_verdicts([CheckpointJudged(generation=0, checkpoint=c, deleted=[]) for c in (good, bad)])
+    book.file_verdicts([CheckpointJudged(generation=0, checkpoint=record(30, 0.3), deleted=[bad.path])])
+    assert [c.step for c in book.status.checkpoints] == [10, 30]
+    (refused,) = book.status.rejected_checkpoints
+    assert refused.reason == bad.reason and book.status.deleted_checkpoints.count == 1
