@@ -21,7 +21,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from core.fleet import Baseline, EvictionOutcome, FleetAnswer
+from core.fleet import Baseline, EvictionOutcome, FailureRate, FleetAnswer
 from core.fleet_requests import (
     Acquire,
     FleetOp,
@@ -29,6 +29,7 @@ from core.fleet_requests import (
     Grant,
     MarkSuspect,
     RecordEviction,
+    RecordExposure,
     RecordWindows,
     Release,
     Replace,
@@ -163,6 +164,8 @@ class FleetActivities:
             self.release_nodes,
             self.baseline,
             self.record_baseline,
+            self.failure_rate,
+            self.record_exposure,
             self.mark_suspect,
             self.eviction_outcomes,
             self.record_eviction,
@@ -199,6 +202,16 @@ class FleetActivities:
 
     @activity.defn
     async def record_baseline(self, request: RecordWindows) -> int:
+        return await self._ask(request)
+
+    @activity.defn
+    async def failure_rate(self) -> FailureRate:
+        """The fleet's failures per GPU-hour: the baseline a run's failure rate is paged against."""
+        rate: FailureRate = await self.fleet.handle.query("failure_rate", result_type=FailureRate)
+        return rate
+
+    @activity.defn
+    async def record_exposure(self, request: RecordExposure) -> FailureRate:
         return await self._ask(request)
 
     @activity.defn

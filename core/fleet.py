@@ -128,6 +128,30 @@ class Baseline(BaseModel):
         return MAD_TO_SIGMA * statistics.median(abs(s - center) for s in self.step_seconds)
 
 
+# The published baseline a young fleet starts from: Llama 3 405B, 419 unexpected interruptions in
+# 54 days on 16,384 GPUs (3.1 h MTBF at that width), weighing as PRIOR_FAILURES failures.
+PUBLISHED_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)
+PRIOR_FAILURES = 5
+
+
+class FailureRate(BaseModel):
+    """The fleet's measured failure rate (seed 003 R5's baseline): failures over GPU-hours of runs
+    that could fail (running, not idle), summed over every run."""
+
+    gpu_hours: float = 0.0
+    failures: int = 0
+
+    def per_gpu_hour(self) -> float:
+        """Gamma-Poisson mean with the published rate as its prior: a fleet with little history pages
+        by what others measured, and its own history takes over as it grows."""
+        prior_hours = PRIOR_FAILURES / PUBLISHED_FAILURES_PER_GPU_HOUR
+        return (self.failures + PRIOR_FAILURES) / (self.gpu_hours + prior_hours)
+
+    def mtbf_s(self, gpus: int) -> float:
+        """A synchronous job of `gpus` GPUs fails when any of them does: its MTBF in seconds."""
+        return 3600.0 / (self.per_gpu_hour() * max(gpus, 1))
+
+
 class FleetAnswer(BaseModel, Generic[R]):
     """What the fleet answered one request: the operation's result, or why it was refused (then
     nothing changed)."""
@@ -158,6 +182,7 @@ class FleetState(BaseModel):
     released: list[Quarantine] = []  # closed records, oldest first
     evictions: list[EvictionOutcome] = []  # oldest first
     baselines: dict[str, Baseline] = {}  # least recently taught first
+    failure_rate: FailureRate = FailureRate()
     answers: OrderedDict[str, FleetAnswer[Any]] = OrderedDict()  # request id → its answer, oldest first
 
     def quarantines(self) -> list[Quarantine]:

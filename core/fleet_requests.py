@@ -15,7 +15,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from core.fleet import EvictionOutcome, FleetNode, Quarantine
+from core.fleet import EvictionOutcome, FailureRate, FleetNode, Quarantine
 
 R = TypeVar("R")
 
@@ -121,6 +121,16 @@ class RecordWindows(FleetOp[int]):
     medians: list[float]
 
 
+class RecordExposure(FleetOp[FailureRate]):
+    """A run's GPU-hours exposed to failure since its last report, and the failures in them; answered
+    with the fleet's failure rate after it."""
+
+    kind: Literal["record_exposure"] = "record_exposure"
+    run_id: str
+    gpu_hours: float = Field(ge=0)
+    failures: int = Field(ge=0)
+
+
 FleetOperation = Annotated[
     RegisterNode
     | Acquire
@@ -131,7 +141,8 @@ FleetOperation = Annotated[
     | QuarantineNode
     | Retest
     | RecordEviction
-    | RecordWindows,
+    | RecordWindows
+    | RecordExposure,
     Field(discriminator="kind"),
 ]
 

@@ -24,6 +24,7 @@ from core.fleet import (
     TEXT_LIMIT,
     Baseline,
     EvictionOutcome,
+    FailureRate,
     FleetNode,
     FleetState,
     NodeState,
@@ -264,6 +265,14 @@ def record_baseline(state: FleetState, config_digest: str, step_seconds: list[fl
     for stale in list(state.baselines)[:-KEEP_BASELINES]:
         del state.baselines[stale]
     return baseline
+
+
+def record_exposure(state: FleetState, gpu_hours: float, failures: int) -> FailureRate:
+    """A run's exposure since its last report joins the fleet's failure rate."""
+    rate = state.failure_rate
+    rate.gpu_hours += gpu_hours
+    rate.failures += failures
+    return rate
 
 
 # -- helpers ---------------------------------------------------------------------------------------

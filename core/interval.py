@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # checkpoint to the next, and the overhead is flat near Daly's optimum (5% off T* raises C/T + T/2M
 # by 0.12%).
 RETUNE_BY = 0.05
+DEFAULT_PRIOR_MTBF = 6 * 3600.0
 COST_OF = 5  # C is the median blocking time of the newest validated checkpoints: one slow write moves nothing
 
 
@@ -85,14 +86,20 @@ def choose_interval(status: RunStatus, now: datetime) -> IntervalChoice | None:
     return choice
 
 
+def prior_mtbf(status: RunStatus) -> float:
+    """The MTBF a run assumes before its own: the spec's `prior_mtbf`, else the fleet's measured one
+    at the run's width, else (no fleet has answered yet) DEFAULT_PRIOR_MTBF."""
+    return status.spec.checkpoint.prior_mtbf or status.fleet_mtbf_s or DEFAULT_PRIOR_MTBF
+
+
 def run_mtbf(status: RunStatus, now: datetime) -> float:
     """M: the run's MTBF so far, its failures over the time it could fail (wall-clock less the time it
-    sat idle), with the spec's `prior_mtbf` weighing as one failure."""
+    sat idle), with the prior (prior_mtbf) weighing as one failure."""
     if status.started_at is None:
-        return status.spec.checkpoint.prior_mtbf
+        return prior_mtbf(status)
     idle = sum(i.idle_seconds for i in status.interruptions)
     exposed = max(0.0, (now - status.started_at).total_seconds() - idle)
-    return mtbf(exposed, len(failures(status.interruptions)), status.spec.checkpoint.prior_mtbf)
+    return mtbf(exposed, len(failures(status.interruptions)), prior_mtbf(status))
 
 
 def checkpoint_steps(status: RunStatus) -> float:

@@ -189,6 +189,11 @@ class RunStatus(BaseModel):
     straggler_seconds: float = 0.0  # the ledger's straggler loss, summed over the run monitor's reports
     escalation: Escalation | None = None  # the straggler being escalated S1 → S4, if any
     evictions: list[Eviction] = []  # this run's straggler evictions (spacing, one per rack without a person)
+    # The fleet's measured MTBF at this run's width, as last heard (core.fleet.FailureRate), and how
+    # far this run's own exposure to failure has been reported to it.
+    fleet_mtbf_s: float | None = None
+    exposure_reported_at: datetime | None = None
+    idle_reported_s: float = 0.0
     verified_step: int = 0  # the SDC watermark: the newest step at which a check passed, as checkpoints reported
     command_seq: int = 0
     failure: str = ""

@@ -20,6 +20,7 @@ from core.events import (
     StragglerFound,
 )
 from core.eviction import Eviction
+from core.fleet import FailureRate
 from core.launch import Membership, without_node
 from core.lifecycle import RunState, why
 from core.paging import PLANNED, Classification, PagingClass, classify, over_limit
@@ -80,6 +81,20 @@ class RunBook:
         )
         if spare:
             status.spares_used.append(spare)
+
+    def exposure(self, now: datetime) -> float:
+        """GPU-hours the run could fail in since it last told the fleet (wall-clock less the time it
+        sat idle); they count as told from now on."""
+        status = self.status
+        since = status.exposure_reported_at or status.started_at or now
+        idle = sum(i.idle_seconds for i in status.interruptions)
+        running_s = max(0.0, (now - since).total_seconds() - (idle - status.idle_reported_s))
+        status.exposure_reported_at, status.idle_reported_s = now, idle
+        return running_s / 3600 * status.world_size
+
+    def learned(self, rate: FailureRate) -> None:
+        """The fleet's failure rate, as of now: the prior this run's MTBF and paging start from."""
+        self.status.fleet_mtbf_s = rate.mtbf_s(self.status.world_size)
 
     def launched(self) -> None:
         """The next generation is running (or re-attached to): what was carried for it is spent."""

@@ -78,8 +78,9 @@ class CheckpointSpec(_Spec):
     interval: Annotated[CheckpointInterval, BeforeValidator(CheckpointInterval.parse)] = CheckpointInterval(kind="auto")
     min_interval: Seconds = 60.0
     max_interval: Seconds = 6 * 3600.0
-    # The MTBF assumed before this run has measured its own (`auto` interval only).
-    prior_mtbf: Seconds = 6 * 3600.0
+    # The MTBF assumed before this run has measured its own (the `auto` interval, paging's failure
+    # rate rule). Unset: the fleet's measured failure rate at the run's width.
+    prior_mtbf: Seconds | None = None
 
     @field_validator("root")
     @classmethod

@@ -21,12 +21,13 @@ with workflow.unsafe.imports_passed_through():
     from core.checkpoints import ChooseInput
     from core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
     from core.events import MonitorInput, MonitorReport
-    from core.fleet import EvictionOutcome
+    from core.fleet import EvictionOutcome, FailureRate
     from core.fleet_requests import (
         Acquire,
         Grant,
         MarkSuspect,
         RecordEviction,
+        RecordExposure,
         RecordWindows,
         Release,
         Replace,
@@ -184,6 +185,26 @@ async def record_baseline(config_digest: str, medians: list[float]) -> int:
         result_type=int,
         start_to_close_timeout=QUICK,
         summary=f"teach the fleet {len(medians)} healthy step-time windows of {config_digest}",
+    )
+
+
+async def failure_rate() -> FailureRate:
+    return await workflow.execute_local_activity(
+        "failure_rate",
+        result_type=FailureRate,
+        start_to_close_timeout=QUICK,
+        summary="ask the fleet for its failures per GPU-hour: the baseline this run is paged against",
+    )
+
+
+async def record_exposure(request: RecordExposure) -> FailureRate:
+    failures = f", {request.failures} failure" if request.failures else ""
+    return await workflow.execute_local_activity(
+        "record_exposure",
+        request,
+        result_type=FailureRate,
+        start_to_close_timeout=QUICK,
+        summary=f"tell the fleet of {request.gpu_hours:.4g} GPU-hours run{failures}",
     )
 
 

@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from core.fleet import (
         Baseline,
         EvictionOutcome,
+        FailureRate,
         FleetAnswer,
         FleetNode,
         FleetState,
@@ -48,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         MarkSuspect,
         QuarantineNode,
         RecordEviction,
+        RecordExposure,
         RecordWindows,
         RegisterNode,
         Release,
@@ -141,6 +143,8 @@ class FleetWorkflow:
             case RecordWindows():
                 rules.record_baseline(fleet, op.config_digest, op.medians)
                 return len(op.medians)
+            case RecordExposure():
+                return rules.record_exposure(fleet, op.gpu_hours, op.failures)
 
     def _register(self, op: RegisterNode, now: datetime) -> FleetNode:
         node = rules.register(self.fleet, op.node, op.rack, op.hub, op.spare, now)
@@ -213,6 +217,11 @@ class FleetWorkflow:
     @workflow.query
     def baseline(self, config_digest: str) -> Baseline | None:
         return self.fleet.baselines.get(config_digest)
+
+    @workflow.query
+    def failure_rate(self) -> FailureRate:
+        """Failures per GPU-hour over every run's exposure: the baseline paging compares a run with."""
+        return self.fleet.failure_rate
 
     @workflow.query
     def evictions(self) -> list[EvictionOutcome]:

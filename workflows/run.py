@@ -37,9 +37,10 @@ with workflow.unsafe.imports_passed_through():
         RanksFinished,
         SdcDetected,
     )
+    from core.fleet_requests import RecordExposure
     from core.goodput import ledger, recent_goodput
     from core.health import Health, health_table
-    from core.interval import checkpoint_seconds, checkpoint_steps, choose_interval
+    from core.interval import checkpoint_seconds, checkpoint_steps, choose_interval, prior_mtbf
     from core.paging import Page
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.runbook import RunBook
@@ -105,6 +106,7 @@ class RunWorkflow:
         status = book.status
         if status.started_at is None:
             book.begin(workflow.now(), await calls.baseline(book.spec.config_digest) if book.spec.hooks else [])
+            book.learned(await calls.failure_rate())
             await self._acquire()
         try:
             while not book.state.terminal:
@@ -124,6 +126,7 @@ class RunWorkflow:
             book.move(RunState.CANCELLED)
             raise
         await self._file_pages()
+        await self._tell_fleet(failures=0)
         await self._release()
         book.finish(workflow.now())
         return RunResult(
@@ -296,11 +299,19 @@ class RunWorkflow:
         elif isinstance(ending, AllHeld):
             workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
 
+    async def _tell_fleet(self, failures: int) -> None:
+        """The run's exposure since it last told the fleet, and its failures in it: the fleet's rate
+        learns, and so does this run's prior."""
+        book = self.book
+        exposure = RecordExposure(run_id=book.status.run_id, gpu_hours=book.exposure(workflow.now()), failures=failures)
+        book.learned(await calls.record_exposure(exposure))
+
     async def _restart(self, interruption: Interruption) -> None:
         """Record a failure; the next generation restarts every rank from a checkpoint. Its page is
         filed once that generation is launched."""
         book, now = self.book, workflow.now()
-        paging = book.failed(interruption, book.spec.checkpoint.prior_mtbf, recent_goodput(book.status, now))
+        paging = book.failed(interruption, prior_mtbf(book.status), recent_goodput(book.status, now))
+        await self._tell_fleet(failures=1)
         workflow.logger.warning("interruption: %s", interruption.line())
         self.pages.append(incidents.page(book, paging, interruption.line()))
 

@@ -19,9 +19,11 @@ from core.fleet import (
     KEEP_EVICTIONS,
     KEEP_RUNS_PER_QUARANTINE,
     KEEP_SELF_TESTS_PER_QUARANTINE,
+    PUBLISHED_FAILURES_PER_GPU_HOUR,
     TEXT_LIMIT,
     Baseline,
     EvictionOutcome,
+    FailureRate,
     FleetAnswer,
     FleetNode,
     FleetState,
@@ -373,3 +375,33 @@ def test_answers_are_kept_newest_and_the_newest_few_carried() -> None:
     assert 0 < len(carried) < KEEP_ANSWERS
     assert list(carried) == list(state.answers)[-len(carried) :]
     assert len(to_json(carried)) <= CARRIED_ANSWER_BYTES
+
+
+# -- the fleet's failure rate: the baseline paging compares a run with ----------------------------
+
+HOUR = 3600.0
+PRIOR_GPU_HOURS = 5 / PUBLISHED_FAILURES_PER_GPU_HOUR  # the published rate weighs as five failures
+
+
+@pytest.mark.parametrize(
+    ("gpu_hours", "failures", "gpus", "mtbf_hours"),
+    [
+        (0.0, 0, 16_384, 54 * 24 / 419),  # a new fleet pages by Llama 3's 3.09 h at its width ...
+        (0.0, 0, 1_024, 54 * 24 / 419 * 16),  # ... and 49.5 h at 1,024 GPUs (seed 003 §2)
+        (PRIOR_GPU_HOURS, 5, 1_024, 54 * 24 / 419 * 16),  # its own history agrees: nothing moves
+        (PRIOR_GPU_HOURS, 15, 1_024, 54 * 24 / 419 * 16 / 2),  # twice the published rate, weighed with it
+        (1e9, 0, 1_024, (1e9 + PRIOR_GPU_HOURS) / 5 / 1_024),  # a billion quiet GPU-hours: only the prior fails
+    ],
+)
+def test_the_fleet_rate_starts_from_the_published_one_and_learns(
+    gpu_hours: float, failures: int, gpus: int, mtbf_hours: float
+) -> None:
+    rate = FailureRate(gpu_hours=gpu_hours, failures=failures)
+    assert rate.mtbf_s(gpus) / HOUR == pytest.approx(mtbf_hours, rel=1e-9)
+
+
+def test_exposure_adds_up_in_the_fleet() -> None:
+    fleet = FleetState()
+    rules.record_exposure(fleet, 1_000.0, 1)
+    rate = rules.record_exposure(fleet, 500.0, 0)
+    assert (rate.gpu_hours, rate.failures) == (1_500.0, 1) and fleet.failure_rate is rate

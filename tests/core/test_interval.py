@@ -9,8 +9,20 @@ from datetime import datetime
 
 import pytest
 
-from core.interval import checkpoint_seconds, choose_interval, daly, interval, mtbf, overhead, young
+from core.fleet import PUBLISHED_FAILURES_PER_GPU_HOUR, FailureRate
+from core.interval import (
+    checkpoint_seconds,
+    choose_interval,
+    daly,
+    interval,
+    mtbf,
+    overhead,
+    prior_mtbf,
+    run_mtbf,
+    young,
+)
 from core.run import Cause, IntervalChoice, RunStatus
+from core.runbook import RunBook
 from tests.core.runs import at, checkpoint, interruption, spec, status
 
 # Seed 003: Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs.
@@ -176,3 +188,22 @@ def test_a_new_interval_reaches_the_ranks_only_when_it_moves_by_more_than_5_perc
     assert checkpoint_seconds(run) == optimum * in_force_by  # what the ranks keep until a command moves it
     if choice is not None:
         assert choice.seconds == pytest.approx(optimum) and choice.cost_s == C and "Daly" in choice.why
+
+
+def test_the_prior_is_the_spec_s_else_the_fleet_s_measured_one() -> None:
+    fleet_s = 49.5 * 3600
+    assert prior_mtbf(status(fleet_mtbf_s=fleet_s)) == fleet_s
+    assert prior_mtbf(status(spec=spec(prior_mtbf="2h"), fleet_mtbf_s=fleet_s)) == 7200.0
+    assert prior_mtbf(status()) == 6 * 3600  # no fleet has answered yet
+    assert run_mtbf(status(fleet_mtbf_s=fleet_s), at(hours=0)) == fleet_s
+
+
+def test_a_run_reports_the_gpu_hours_it_could_fail_in_once() -> None:
+    """4 GPUs; paused for an hour between 2 h and 3 h: 10 h of wall-clock are 9 h of exposure."""
+    run = status(nodes=["n1", "n2"])
+    book = RunBook(run)
+    run.interruptions.append(interruption(at(hours=2), Cause.PAUSE, idle_seconds=3600.0))
+    assert book.exposure(at(hours=10)) == pytest.approx(9 * 4)
+    assert book.exposure(at(hours=12)) == pytest.approx(2 * 4), "what was told is not told again"
+    book.learned(FailureRate(gpu_hours=0.0, failures=0))
+    assert run.fleet_mtbf_s == pytest.approx(3600 / (PUBLISHED_FAILURES_PER_GPU_HOUR * 4))

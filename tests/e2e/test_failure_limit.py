@@ -10,6 +10,7 @@ from temporalio.client import Client
 
 from core.run import Cause, RunState, RunStatus
 from tests.helpers import start, tiny_spec, wait_until
+from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
 
 ONE_PER_HOUR = {"failures": 1, "window": "1h"}
@@ -31,6 +32,8 @@ async def test_a_second_failure_within_the_window_fails_the_run(client: Client, 
     assert "2 failures within 1h" in result.failure and "failure_limit: at most 1" in result.failure
     last = result.interruptions[-1]
     assert result.failure in last.actions, "the verdict is on the timeline, with the failure that tipped it"
+    rate = await fleet_handle(client).query(FleetWorkflow.failure_rate)
+    assert rate.failures >= 2 and rate.gpu_hours > 0, "the fleet's baseline learned the run's failures"
 
 
 def running_in(generation: int) -> Callable[[RunStatus], bool]:
