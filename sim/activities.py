@@ -91,7 +91,7 @@ class SimulatedSupervisor:
 
     @activity.defn(name="command")
     async def command(self, request: CommandRanks) -> int:
-        return self.cluster.command(request.run_id, request.command.kind)
+        return self.cluster.command(request.run_id, request.command)
 
     @activity.defn(name="release")
     async def release(self, request: ReleaseRanks) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.launch import Launch
+from core.telemetry import Command
 from training.checkpoint import parse_checkpoint_dirname
 
 FaultKind = Literal["crash", "node_lost", "hang", "sdc", "straggler", "slowdown"]
@@ -69,6 +70,7 @@ class SimulatedGeneration:
     step_seconds: float
     blocking_seconds: float
     hold_step: int | None = None  # the step every rank holds at, once a hold command landed
+    retuned: list[tuple[int, int]] = field(default_factory=list)  # (from step, every): interval commands
     forced: set[int] = field(default_factory=set)  # steps checkpointed because a person asked
     commands: int = 0  # rebalance commands received (each earns the straggler ladder another tally)
     reported: set[str] = field(default_factory=set)  # what a monitor already signalled (a new one skips it)
@@ -106,13 +108,25 @@ class SimulatedGeneration:
         """Every checkpoint the generation commits, in order. A rank dies before its step's
         checkpoint commits; ranks checkpoint the target step and a held step before they stop."""
         last = self.last_step
-        regular = range((self.resume_step // self.every + 1) * self.every, last + 1, self.every) if self.every else []
-        steps = {*regular, *(s for s in self.forced if s <= last)}
+        steps = {*self._regular(last), *(s for s in self.forced if s <= last)}
         if self.ending is not None:
             steps.discard(last)
         else:
             steps.add(last)
         return sorted(s for s in steps if s > self.resume_step)
+
+    def _regular(self, last: int) -> list[int]:
+        """The interval's checkpoints up to `last`: multiples of the launch's interval, then, from the
+        step an `interval` command landed at, one every new interval after the newest before it (as
+        a rank's checkpoint clock counts from its last checkpoint)."""
+        if not self.every:
+            return []
+        steps = list(range((self.resume_step // self.every + 1) * self.every, last + 1, self.every))
+        for at, every in self.retuned:
+            steps = [s for s in steps if s < at]
+            step = max(at, (steps[-1] if steps else self.resume_step) + every)
+            steps += range(step, last + 1, every)
+        return steps
 
     def committed_at(self, step: int) -> float:
         return self.at(step) + self.blocking_seconds
@@ -196,18 +210,21 @@ class SimulatedCluster:
         run = self._runs.get(run_id)
         return run.generations[max(run.generations)] if run and run.generations else None
 
-    def command(self, run_id: str, kind: str) -> int:
+    def command(self, run_id: str, command: Command) -> int:
         """A command reaches the current generation's ranks; they act on it at the next step."""
         generation = self.current(run_id)
         if generation is None:
             return 0
         next_step = generation.step_at(self.clock()) + 1
+        kind = command.kind
         if kind == "hold" and generation.hold_step is None:
             generation.hold_step = max(next_step, generation.resume_step + 1)
         elif kind == "checkpoint":
             generation.forced.add(next_step)
         elif kind == "rebalance":
             generation.commands += 1
+        elif kind == "interval" and command.seconds is not None:
+            generation.retuned.append((next_step, max(1, round(command.seconds / generation.step_seconds))))
         self.notify()
         return generation.launch.world_size
 

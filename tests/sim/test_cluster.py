@@ -1,0 +1,50 @@
+"""The simulated cluster's plans: which steps a generation checkpoints, as ranks would, before and
+after an `interval` command (a rank's checkpoint clock counts from its last checkpoint)."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.launch import Launch
+from core.telemetry import Command
+from sim.cluster import FailureSchedule, SimulatedCluster
+
+STEP_S = 1.0
+
+
+def cluster_with(now: list[float]) -> SimulatedCluster:
+    cluster = SimulatedCluster(["n1"], FailureSchedule(), step_seconds=STEP_S, clock=lambda: now[0])
+    env = {
+        "STAYALIVE_CHECKPOINT_DIR": "/ckpt/run",
+        "STAYALIVE_TARGET_STEP": "100",
+        "STAYALIVE_CHECKPOINT_EVERY_SECONDS": "10",
+    }
+    launch = Launch(
+        run_id="r", generation=0, nodes=["n1"], ranks_per_node=1, entrypoint=["x"], env=env, answer_within=5
+    )
+    cluster.launch(launch)
+    return cluster
+
+
+@pytest.mark.parametrize(
+    ("retunes", "expected"),
+    [
+        pytest.param([], list(range(10, 101, 10)), id="the launch's interval to the target"),
+        pytest.param([(24.5, 30.0)], [10, 20, 50, 80, 100], id="longer from step 26: 30 steps after step 20"),
+        pytest.param([(24.5, 3.0)], [10, 20, *range(26, 100, 3), 100], id="shorter: due at once, then every 3"),
+        pytest.param(
+            [(24.5, 30.0), (60.5, 10.0)], [10, 20, 50, 62, 72, 82, 92, 100], id="twice: each from its own step"
+        ),
+    ],
+)
+def test_an_interval_command_moves_the_plan_from_the_next_step(
+    retunes: list[tuple[float, float]], expected: list[int]
+) -> None:
+    now = [0.0]
+    cluster = cluster_with(now)
+    for seq, (at, seconds) in enumerate(retunes, start=1):
+        now[0] = at  # step int(at) + 1 is done (step 1 at t = 0): the command lands at the one after
+        cluster.command("r", Command(seq=seq, kind="interval", seconds=seconds))
+    generation = cluster.current("r")
+    assert generation is not None
+    assert generation.checkpoint_steps() == expected
