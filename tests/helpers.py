@@ -168,6 +168,15 @@ class RecordCollector:
         finally:
             writer.close()
 
+    async def caught_up(self, node: str, step: int, timeout: float = 30.0) -> None:
+        """Until this collector holds `node`'s step reports up to `step`: a node released from the run
+        forgets its records, so a test that releases one waits for them first."""
+        deadline = time.monotonic() + timeout
+        while max((r.step for r in step_reports([r for r in self.records if r.node == node])), default=0) < step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no step {step} from {node} in {timeout}s")
+            await asyncio.sleep(0.05)
+
     def stop(self) -> list[Record]:
         for task in [self._watch, *self._tasks]:
             task.cancel()

@@ -3,13 +3,17 @@ interruptions and never the run's length (real ranks, real Temporal)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from temporalio.client import Client
+import pytest
+from temporalio.client import Client, WorkflowFailureError
 
 from core.run import Cause, RunState, RunStatus
-from tests.helpers import start, tiny_spec, wait_until
+from tests.helpers import rank_pids, start, tiny_spec, wait_until
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
 
@@ -51,4 +55,20 @@ async def test_a_hundred_pauses_never_count_against_the_limit(client: Client, ch
         status = await wait_until(handle, running_in(generation), timeout=60, every=POLL_S)
     assert status.failure == ""
     assert [i.cause for i in status.interruptions] == [Cause.PAUSE] * PAUSES
+    ranks = [pid for pids in (await rank_pids(client, handle)).values() for pid in pids.values()]
     await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    # Its ranks train towards a million steps: a cancelled run must not leave them eating the host.
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in ranks if running(pid)]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not alive, f"ranks {alive} outlived their cancelled run"
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

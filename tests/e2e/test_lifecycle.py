@@ -44,6 +44,7 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     handle = await start(client, tiny_spec(checkpoint_root, target_step=150), "drain-spare")
     collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
+    await collector.caught_up("n2", 30)  # n2 leaves the run, and its agent forgets the run's records
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
     assert "replaced n2 with spare n3" in outcome
@@ -96,6 +97,7 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
     handle = await start(client, spec, "drain-shrink")
     collector = RecordCollector(client, handle)
     await running_past(client, handle, 30)
+    await collector.caught_up("n2", 30)  # n2 leaves the run, and its agent forgets the run's records
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="shrink"))
     assert "continuing on 1 nodes" in outcome
