@@ -10,7 +10,7 @@ written.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -20,6 +20,7 @@ import numpy.typing as npt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from core.goodput import RECENT, Ledger, ledger, recent_goodput
 from core.paging import PLANNED_CAUSES
@@ -31,7 +32,6 @@ POINTS = 200  # times at which the ledger is computed: enough for a smooth area,
 TOP_NODES = 20
 SIZE = (10.0, 5.0)  # inches
 DPI = 100
-HOURS = "hours since start"
 NO_NODE = "—"  # an interruption of the whole run (a pause): no node to blame
 # Bottom to top of the stacked area: productive first, so its top edge is the goodput line.
 CATEGORY_COLOURS = {
@@ -64,6 +64,23 @@ def end_of(status: RunStatus, now: datetime) -> datetime:
 def _span_hours(status: RunStatus, now: datetime) -> tuple[float, float]:
     """The x range every time axis shares: the whole run, so the plots line up."""
     return 0.0, hours_since_start(status, end_of(status, now))
+
+
+class TimeAxis(NamedTuple):
+    per_hour: float  # units of the axis in an hour
+    label: str
+    limits: tuple[float, float]
+
+    def of(self, hours: Sequence[float] | Series) -> Series:
+        return np.asarray(hours, dtype=np.float64) * self.per_hour
+
+
+def time_axis(status: RunStatus, now: datetime) -> TimeAxis:
+    """Minutes for a run shorter than two hours, days for one longer than three, hours between: a
+    demo's 3 minutes and a month's 30 days both read in whole numbers."""
+    low, high = _span_hours(status, now)
+    per_hour, unit = (60.0, "minutes") if high < 2 else (1 / 24, "days") if high > 72 else (1.0, "hours")
+    return TimeAxis(per_hour, f"{unit} since start", (low * per_hour, high * per_hour))
 
 
 def ledger_times(status: RunStatus, now: datetime, points: int = POINTS) -> list[datetime]:
@@ -162,13 +179,15 @@ def goodput_figure(status: RunStatus, now: datetime) -> Figure:
     if hours.size == 0:
         _note(axes, "no wall-clock yet: the run has not started")
         return figure
-    axes.stackplot(hours, *shares.values(), labels=list(shares), colors=list(CATEGORY_COLOURS.values()), alpha=0.8)
-    axes.plot(hours, shares["productive"], color="black", label="goodput since start")
+    x = time_axis(status, now)
+    colours = list(CATEGORY_COLOURS.values())
+    axes.stackplot(x.of(hours), *shares.values(), labels=list(shares), colors=colours, alpha=0.8)
+    axes.plot(x.of(hours), shares["productive"], color="black", label="goodput since start")
     recent_hours, recent = recent_goodput_series(status, now)
     if recent.size:
         label = f"goodput over the last {RECENT.total_seconds() / 3600:g} h"
-        axes.plot(recent_hours, recent, color="black", linestyle="--", label=label)
-    axes.set(xlabel=HOURS, ylabel="fraction of wall-clock", ylim=(0, 1), xlim=_span_hours(status, now))
+        axes.plot(x.of(recent_hours), recent, color="black", linestyle="--", label=label)
+    axes.set(xlabel=x.label, ylabel="fraction of wall-clock", ylim=(0, 1), xlim=x.limits)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return figure
 
@@ -181,10 +200,12 @@ def interval_figure(status: RunStatus, now: datetime) -> Figure:
         interval = status.spec.checkpoint.interval
         _note(axes, "auto interval: not computed yet" if interval.kind == "auto" else f"fixed interval: {interval}")
         return figure
-    axes.step(hours, seconds / 60, where="post", label="interval in force")
+    x = time_axis(status, now)
+    axes.step(x.of(hours), seconds / 60, where="post", label="interval in force")
     if not np.isnan(optimum).all():
-        axes.step(hours, optimum / 60, where="post", linestyle="--", label="Daly optimum (before min/max bounds)")
-    axes.set(xlabel=HOURS, ylabel="interval (minutes)", ylim=(0, None), xlim=_span_hours(status, now))
+        label = "Daly optimum (before min/max bounds)"
+        axes.step(x.of(hours), optimum / 60, where="post", linestyle="--", label=label)
+    axes.set(xlabel=x.label, ylabel="interval (minutes)", ylim=(0, None), xlim=x.limits)
     axes.legend()
     return figure
 
@@ -193,6 +214,7 @@ def _bars(axes: Axes, labels: list[str], failures: list[int], planned: list[int]
     axes.barh(labels, failures, color=FAILURE_COLOUR)
     axes.barh(labels, planned, left=failures, color=PLANNED_COLOUR)
     axes.invert_yaxis()  # the most frequent at the top
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # interruptions come whole
     axes.set(title=title, xlabel="interruptions")
 
 
@@ -208,10 +230,11 @@ def interruptions_figure(status: RunStatus, now: datetime) -> Figure:
     _bars(grid["cause"], list(causes), failed, planned, "by cause")
     nodes = counts_by_node(status)
     _bars(grid["node"], [n.node for n in nodes], [n.failures for n in nodes], [n.planned for n in nodes], "by node")
-    when = [hours_since_start(status, i.at) for i in status.interruptions]
+    x = time_axis(status, now)
+    when = x.of([hours_since_start(status, i.at) for i in status.interruptions])
     colours = [PLANNED_COLOUR if i.cause in PLANNED_CAUSES else FAILURE_COLOUR for i in status.interruptions]
     grid["time"].vlines(when, 0, 1, colors=colours)
-    grid["time"].set(xlabel=HOURS, yticks=[], xlim=_span_hours(status, now))
+    grid["time"].set(xlabel=x.label, yticks=[], xlim=x.limits)
     grid["node"].legend(
         handles=[Patch(color=FAILURE_COLOUR, label="failure"), Patch(color=PLANNED_COLOUR, label="planned")]
     )
@@ -224,9 +247,10 @@ def step_time_figure(status: RunStatus, now: datetime) -> Figure:
     if not status.samples:
         _note(axes, "no samples yet: one is taken at each checkpoint")
         return figure
-    hours = [hours_since_start(status, s.at) for s in status.samples]
+    x = time_axis(status, now)
+    hours = x.of([hours_since_start(status, s.at) for s in status.samples])
     axes.plot(hours, [s.step_seconds_p50 for s in status.samples], color="tab:blue", marker=".")
-    axes.set(xlabel=HOURS, ylim=(0, None), xlim=_span_hours(status, now))
+    axes.set(xlabel=x.label, ylim=(0, None), xlim=x.limits)
     axes.set_ylabel("step time p50 (seconds)", color="tab:blue")
     steps = axes.twinx()
     steps.plot(hours, [s.step for s in status.samples], color="tab:green")

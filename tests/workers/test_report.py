@@ -22,6 +22,7 @@ from workers.report import (
     interval_series,
     ledger_series,
     recent_goodput_series,
+    time_axis,
     write_report,
 )
 
@@ -151,3 +152,17 @@ def test_the_report_command_writes_into_report_id_by_default(
     assert temporal.asked == "tiny"
     assert capsys.readouterr().out.splitlines() == [str(Path("report-tiny") / name) for name in FILES]
     assert_plots([Path("report-tiny") / name for name in FILES], Path("report-tiny"))
+
+
+@pytest.mark.parametrize(
+    ("length", "label", "end"),
+    [
+        (at(minutes=3), "minutes since start", 3.0),  # the demo
+        (at(hours=10), "hours since start", 10.0),
+        (at(hours=24 * 30), "days since start", 30.0),  # the month
+    ],
+)
+def test_the_time_axis_reads_in_whole_units_of_the_runs_length(length: datetime, label: str, end: float) -> None:
+    axis = time_axis(status(), length)
+    assert (axis.label, axis.limits) == (label, (0.0, pytest.approx(end)))
+    assert axis.of([1.5]) == pytest.approx([1.5 * axis.per_hour])
