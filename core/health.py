@@ -8,7 +8,7 @@ from datetime import datetime
 from pydantic import BaseModel
 
 from core.goodput import Ledger, ledger
-from core.interval import run_mtbf
+from core.interval import measured_cost, run_mtbf
 from core.run import CheckpointRecord, RunStatus
 
 
@@ -32,7 +32,7 @@ class Health(BaseModel):
     last_checkpoint: CheckpointRecord | None
     checkpoint_interval_s: float | None  # the interval in force (None: the spec fixes it in steps)
     checkpoint_interval_why: str  # where it comes from: the spec, or `auto`'s last choice and its C and M
-    checkpoint_cost_s: float | None  # C: the blocking seconds of the newest validated checkpoint
+    checkpoint_cost_s: float | None  # C, as the interval uses it (core.interval.measured_cost)
     mtbf_s: float  # M: the run's MTBF so far, with the fleet's prior (core.interval.run_mtbf)
     verified_step: int  # the SDC watermark: the newest step at which a check passed
     skipped_updates: int  # steps whose update was skipped (a non-finite loss or gradient, a gradient spike)
@@ -40,7 +40,6 @@ class Health(BaseModel):
     @classmethod
     def of(cls, status: RunStatus, now: datetime, checkpoint_interval_s: float | None) -> Health:
         book = ledger(status, now)
-        valid = [c for c in status.checkpoints if c.validated]
         return cls(
             state=status.state.value,
             generation=status.generation,
@@ -61,7 +60,7 @@ class Health(BaseModel):
             checkpoint_interval_why=status.intervals[-1].why
             if status.intervals
             else f"the spec: checkpoint.interval {status.spec.checkpoint.interval}",
-            checkpoint_cost_s=valid[-1].blocking_seconds if valid else None,
+            checkpoint_cost_s=measured_cost(status),
             mtbf_s=run_mtbf(status, now),
             verified_step=status.verified_step,
             skipped_updates=sum(status.detection_counts.get(kind, 0) for kind in ("nonfinite", "grad_spike")),

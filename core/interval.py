@@ -68,13 +68,11 @@ def choose_interval(status: RunStatus, now: datetime) -> IntervalChoice | None:
     cfg = status.spec.checkpoint
     if cfg.interval.kind != "auto":
         return None
-    m = run_mtbf(status, now)
-    measured = [c.blocking_seconds for c in status.checkpoints if c.validated][-COST_OF:]
-    if not measured or status.started_at is None:
+    m, c = run_mtbf(status, now), measured_cost(status)
+    if c is None or status.started_at is None:
         why = "min_interval: the first checkpoint comes early, to measure its cost C"
         choice = IntervalChoice(at=now, seconds=cfg.min_interval, mtbf_s=m, why=why)
     else:
-        c = statistics.median(measured)
         optimum = daly(c, m)
         seconds = interval(c, m, cfg.min_interval, cfg.max_interval)
         bound = "" if seconds == optimum else f", held to {'min' if seconds > optimum else 'max'}_interval"
@@ -84,6 +82,12 @@ def choose_interval(status: RunStatus, now: datetime) -> IntervalChoice | None:
     if in_force is not None and abs(choice.seconds - in_force.seconds) <= RETUNE_BY * in_force.seconds:
         return None
     return choice
+
+
+def measured_cost(status: RunStatus) -> float | None:
+    """C: the median blocking seconds of the newest COST_OF validated checkpoints (None: none yet)."""
+    measured = [c.blocking_seconds for c in status.checkpoints if c.validated][-COST_OF:]
+    return statistics.median(measured) if measured else None
 
 
 def prior_mtbf(status: RunStatus) -> float:

@@ -148,34 +148,26 @@ class Supervision:
             or (every_steps is not None and step % every_steps == 0)
             or step == self.config.target_step
         )
-        speeds = self._agree_on_speeds() if news["rebalance"] else None
-        if news["interval"] and (seconds := self._agree_on_interval()) > 0:
+        speeds = self._agree_on_newest("rebalance", self._speeds, self.world_size) if news["rebalance"] else None
+        if news["interval"] and (seconds := self._agree_on_newest("interval", [self._seconds], 1)[0]) > 0:
             self.every_seconds = seconds
         self._acted = {kind: -(-sums[kind] // world) if news[kind] else self._acted[kind] for kind in _KINDS}
         if checkpoint:
             self._last_checkpoint = time.monotonic()
         return Decision(checkpoint=checkpoint, hold=news["hold"], stop=news["exit"], speeds=speeds)
 
-    def _agree_on_speeds(self) -> list[float]:
-        """A rebalance carries a payload that ranks which have not received it yet cannot vote on (rare:
-        two small collectives). The newest rebalance any rank has received wins (the most received);
-        the ranks that have it contribute its (positive) speeds, the rest zeros; the MAX is its."""
-        newest = torch.tensor([self._seen["rebalance"]], dtype=torch.int64)
+    def _agree_on_newest(self, kind: str, payload: list[float], size: int) -> list[float]:
+        """A rebalance or an interval carries a payload that ranks which have not received it yet cannot
+        vote on (rare: two small collectives). The newest command of `kind` any rank has received wins
+        (the most received); the ranks that have it contribute its (positive) payload of `size`
+        values, the rest zeros; the MAX is its."""
+        newest = torch.tensor([self._seen[kind]], dtype=torch.int64)
         dist.all_reduce(newest, op=dist.ReduceOp.MAX)
-        speeds = torch.zeros(self.world_size, dtype=torch.float64)
-        if self._seen["rebalance"] == int(newest) and len(self._speeds) == self.world_size:
-            speeds[:] = torch.tensor(self._speeds, dtype=torch.float64)
-        dist.all_reduce(speeds, op=dist.ReduceOp.MAX)
-        return [float(s) for s in speeds]
-
-    def _agree_on_interval(self) -> float:
-        """The newest interval any rank has received (the most received), as its holders give it; the
-        others contribute zero and take the MAX. Two tiny collectives, once per change."""
-        newest = torch.tensor([self._seen["interval"]], dtype=torch.int64)
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
-        seconds = torch.tensor([self._seconds if self._seen["interval"] == int(newest) else 0.0], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        return float(seconds)
+        values = torch.zeros(size, dtype=torch.float64)
+        if self._seen[kind] == int(newest) and len(payload) == size:
+            values[:] = torch.tensor(payload, dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return [float(v) for v in values]
 
     def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:
         """Holding: wait for the next generation's membership; None means exit (told to, or nobody called)."""

@@ -218,7 +218,7 @@ class DevStack:
         record: dict[str, object] = json.loads(path.read_text())
         pids = record["pids"]
         assert isinstance(pids, dict)
-        if all(_alive(pid) for pid in pids.values()):
+        if all(process_alive(pid) for pid in pids.values()):
             return record
         return None
 
@@ -230,7 +230,7 @@ class DevStack:
         pids: dict[str, int] = json.loads(path.read_text())["pids"]
         stopped = []
         for name in sorted(pids, key=lambda n: n == "temporal"):
-            if _alive(pids[name]):
+            if process_alive(pids[name]):
                 os.kill(pids[name], signal.SIGTERM)
                 stopped.append(name)
                 _wait_gone(pids[name])
@@ -238,7 +238,7 @@ class DevStack:
         return stopped
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -248,7 +248,7 @@ def _alive(pid: int) -> bool:
 
 def _wait_gone(pid: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(pid):
+    if process_alive(pid):
         os.kill(pid, signal.SIGKILL)

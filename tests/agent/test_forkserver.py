@@ -21,6 +21,7 @@ import pytest
 from agent.forkserver import ForkServer
 from agent.processes import RankProcess, start_rank, stop_ranks
 from tests.helpers import ROOT
+from workers.devstack import process_alive
 
 PROBE = ROOT / "tests" / "agent" / "fork_probe.py"
 MODULE = [sys.executable, "-m", "tests.agent.fork_probe"]
@@ -68,14 +69,6 @@ def report(rank: RankProcess) -> dict[str, Any]:
     """What the probe saw (the first line of its log)."""
     first: dict[str, Any] = json.loads(rank.log_path.read_text().splitlines()[0])
     return first
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def forked(server: ForkServer, argv: list[str], log: Path, env: dict[str, str] | None = None) -> RankProcess:
@@ -190,10 +183,10 @@ async def test_a_killed_server_takes_its_ranks_with_it_and_another_takes_its_pla
     await asyncio.wait_for(rank.waiter, 30)
     assert rank.exit_code == 128 + 9
     for _ in range(100):  # the death signal is asynchronous
-        if not alive(rank.pid):
+        if not process_alive(rank.pid):
             break
         await asyncio.sleep(0.05)
-    assert not alive(rank.pid), "a rank outlived the server it was forked from"
+    assert not process_alive(rank.pid), "a rank outlived the server it was forked from"
     await server.wait_warm()
     assert server.process is not first
     again = await forked(server, [*MODULE, "3"], tmp_path / "rank-1.log")
@@ -208,6 +201,6 @@ async def test_closing_the_server_stops_it_and_what_it_runs(
     assert server.process is not None
     pid = server.process.pid
     await server.close()
-    assert not alive(pid)
+    assert not process_alive(pid)
     await asyncio.wait_for(rank.waiter, 30)
     assert rank.exit_code == 128 + 9

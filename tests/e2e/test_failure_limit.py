@@ -4,7 +4,6 @@ interruptions and never the run's length (real ranks, real Temporal)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from temporalio.client import Client, WorkflowFailureError
 
 from core.run import Cause, RunState, RunStatus
 from tests.helpers import rank_pids, start, tiny_spec, wait_until
+from workers.devstack import process_alive
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
 
@@ -61,14 +61,6 @@ async def test_a_hundred_pauses_never_count_against_the_limit(client: Client, ch
         await handle.result()
     # Its ranks train towards a million steps: a cancelled run must not leave them eating the host.
     deadline = time.monotonic() + 30
-    while (alive := [pid for pid in ranks if running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in ranks if process_alive(pid)]) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert not alive, f"ranks {alive} outlived their cancelled run"
-
-
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
