@@ -195,6 +195,17 @@ class AllHeld(BaseModel):
     progress: Progress
 
 
+class Quiet(BaseModel):
+    """Nothing is due before `until` (seconds since the epoch, on the server's clock): the monitor
+    stops, and the workflow waits on a timer, not an activity, until then or until it sends the ranks
+    a command, then watches again. A watch with nothing outstanding is one a time-skipping server can
+    skip through (the simulator's month); the real monitor never needs it."""
+
+    kind: Literal["quiet"] = "quiet"
+    until: float
+    progress: Progress
+
+
 MonitorEvent = Annotated[
     Union[  # noqa: UP007
         FirstStep,
@@ -209,6 +220,7 @@ MonitorEvent = Annotated[
         NodeLost,
         RanksFinished,
         AllHeld,
+        Quiet,
     ],
     Field(discriminator="kind"),
 ]
@@ -218,7 +230,11 @@ MONITOR_REPORT = "monitor_report"
 
 
 class MonitorReport(BaseModel):
-    """One thing the run monitor found in a generation, sent to the workflow as a signal."""
+    """One thing the run monitor found in a generation, sent to the workflow as a signal, or what it
+    completed with. A completion may bring what the monitor found before it and did not signal (a
+    quiet monitor's first step and verdicts): the workflow takes those in first."""
 
     generation: int
     event: MonitorEvent
+    first_step: FirstStep | None = None
+    verdicts: list[CheckpointJudged] = []

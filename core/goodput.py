@@ -74,7 +74,14 @@ def ledger(status: RunStatus, now: datetime, since: datetime | None = None) -> L
     # stay as one total, carved out of the running time of the whole run (they are old: a window of
     # the last hour holds only checkpoints retention still keeps).
     if since is None:
-        book[Category.CHECKPOINT] += min(status.deleted_checkpoints.blocking_seconds, end - sum(book.values()))
+        earlier = status.earlier_interruptions  # the same for interruptions that left the timeline
+        for category, seconds in (
+            (Category.CHECKPOINT, status.deleted_checkpoints.blocking_seconds),
+            (Category.IDLE, earlier.idle_seconds),
+            (Category.RECOVERY, earlier.recovery_seconds),
+            (Category.LOST, earlier.lost_seconds),
+        ):
+            book[category] += min(seconds, end - sum(book.values()))
     running = end - start - sum(book.values())
     # Straggler seconds arrive as one running total (RunStatus.straggler_seconds, from the run
     # monitor), so a window gets its share in proportion to its share of the run's running time.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from datetime import datetime
 
 from pydantic import BaseModel
@@ -53,8 +52,8 @@ class Health(BaseModel):
             ledger=book,
             nodes=status.nodes,
             world_size=status.world_size,
-            interruptions=len(status.interruptions),
-            interruptions_by_cause=dict(Counter(i.cause.value for i in status.interruptions)),
+            interruptions=status.interruption_count(),
+            interruptions_by_cause=status.interruptions_by_cause(),
             last_checkpoint=status.latest_valid_checkpoint(),
             checkpoint_interval_s=checkpoint_interval_s,
             checkpoint_interval_why=status.intervals[-1].why
@@ -72,6 +71,7 @@ def health_table(status: RunStatus, note: str = "") -> str:
     progress = status.progress
     last = status.latest_valid_checkpoint()
     interruption = status.interruptions[-1] if status.interruptions else None
+    count = f"{status.interruption_count()}" + (f" (last: {interruption.line()})" if interruption else "")
     rows = [
         ("state", f"**{status.state.value}**" + (f" — {note}" if note else "")),
         ("step", f"{progress.step} / {status.spec.target_step or '?'} (generation {status.generation})"),
@@ -79,7 +79,7 @@ def health_table(status: RunStatus, note: str = "") -> str:
         ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
         ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
         ("verified (SDC checks)", f"to step {status.verified_step}"),
-        ("interruptions", f"{len(status.interruptions)}" + (f" (last: {interruption.line()})" if interruption else "")),
+        ("interruptions", count),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 

@@ -101,9 +101,9 @@ def run_mtbf(status: RunStatus, now: datetime) -> float:
     sat idle), with the prior (prior_mtbf) weighing as one failure."""
     if status.started_at is None:
         return prior_mtbf(status)
-    idle = sum(i.idle_seconds for i in status.interruptions)
-    exposed = max(0.0, (now - status.started_at).total_seconds() - idle)
-    return mtbf(exposed, len(failures(status.interruptions)), prior_mtbf(status))
+    exposed = max(0.0, (now - status.started_at).total_seconds() - status.idle_seconds())
+    failed = status.earlier_interruptions.failures + len(failures(status.interruptions))
+    return mtbf(exposed, failed, prior_mtbf(status))
 
 
 def checkpoint_steps(status: RunStatus) -> float:

@@ -110,6 +110,21 @@ class DeletedCheckpoints(BaseModel):
     newest_step: int | None = None
 
 
+class EarlierInterruptions(BaseModel):
+    """What the run keeps of the interruptions older than its newest INTERRUPTIONS_KEPT: a month at
+    16,384 GPUs has hundreds, each a row of the timeline. Their costs stay in the goodput ledger and
+    their count in the run's MTBF, by these totals."""
+
+    count: int = 0
+    failures: int = 0  # of them, the ones nobody asked for
+    by_cause: dict[str, int] = {}
+    lost_seconds: float = 0.0  # at the step time when each left the timeline
+    idle_seconds: float = 0.0
+    recovery_seconds: float = 0.0
+    planned_recovery_seconds: float = 0.0  # of that, after drains, pauses and rollbacks
+    newest_at: datetime | None = None
+
+
 class Sample(BaseModel):
     """One point of the run's progress series: one per checkpoint judged."""
 
@@ -130,6 +145,10 @@ class IntervalChoice(BaseModel):
 
 
 REJECTED_KEPT = 64
+# The newest interruptions the timeline keeps whole; older ones live on as totals (EarlierInterruptions).
+# 128 is more than a failure limit's window holds and than paging's rules look back over, and at 16,384
+# GPUs about two weeks.
+INTERRUPTIONS_KEPT = 128
 DETECTIONS_KEPT = 256  # a month of stragglers and skipped updates must not grow the state without end
 SERIES_POINTS = 512  # a series the run carries keeps at most this many points, spread over the run
 
@@ -175,7 +194,8 @@ class RunStatus(BaseModel):
     # Set before continue-as-new in the middle of a generation: the next segment re-attaches to the
     # ranks, which never noticed.
     reattach: bool = False
-    interruptions: list[Interruption] = []
+    interruptions: list[Interruption] = []  # the newest INTERRUPTIONS_KEPT
+    earlier_interruptions: EarlierInterruptions = EarlierInterruptions()
     detections: list[Detection] = []  # the newest DETECTIONS_KEPT
     detection_counts: dict[str, int] = {}  # every detection of the run, by kind
     baseline: list[float] = []  # the fleet's healthy window medians for this configuration, at start
@@ -221,6 +241,19 @@ class RunStatus(BaseModel):
         """This generation already found every rank slow together."""
         return any(d.generation == self.generation and d.kind == "slowdown" for d in self.detections)
 
+    def interruption_count(self) -> int:
+        return self.earlier_interruptions.count + len(self.interruptions)
+
+    def interruptions_by_cause(self) -> dict[str, int]:
+        counts = dict(self.earlier_interruptions.by_cause)
+        for interruption in self.interruptions:
+            counts[interruption.cause.value] = counts.get(interruption.cause.value, 0) + 1
+        return counts
+
+    def idle_seconds(self) -> float:
+        """Seconds the run sat waiting for a person or for nodes, over its whole timeline."""
+        return self.earlier_interruptions.idle_seconds + sum(i.idle_seconds for i in self.interruptions)
+
     def latest_valid_checkpoint(self) -> CheckpointRecord | None:
         return max((c for c in self.checkpoints if c.resumable), key=lambda c: c.step, default=None)
 
@@ -229,6 +262,7 @@ class RunResult(BaseModel):
     run_id: str
     state: RunState
     final_step: int
-    interruptions: list[Interruption]
+    interruptions: list[Interruption]  # the newest INTERRUPTIONS_KEPT
+    earlier_interruptions: EarlierInterruptions = EarlierInterruptions()
     ledger: Ledger
     failure: str = ""

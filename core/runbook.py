@@ -23,10 +23,11 @@ from core.eviction import Eviction
 from core.fleet import FailureRate
 from core.launch import Membership, without_node
 from core.lifecycle import RunState, why
-from core.paging import PLANNED, Classification, PagingClass, classify, over_limit
+from core.paging import PLANNED, Classification, PagingClass, classify, is_planned, over_limit
 from core.recovery import file_judged, mark_suspect, supersede
 from core.run import (
     DETECTIONS_KEPT,
+    INTERRUPTIONS_KEPT,
     REJECTED_KEPT,
     Cause,
     CheckpointRecord,
@@ -87,7 +88,7 @@ class RunBook:
         sat idle); they count as told from now on."""
         status = self.status
         since = status.exposure_reported_at or status.started_at or now
-        idle = sum(i.idle_seconds for i in status.interruptions)
+        idle = status.idle_seconds()
         running_s = max(0.0, (now - since).total_seconds() - (idle - status.idle_reported_s))
         status.exposure_reported_at, status.idle_reported_s = now, idle
         return running_s / 3600 * status.world_size
@@ -139,6 +140,8 @@ class RunBook:
         status = self.status
         verdict = over_limit(status.interruptions, interruption, self.spec.failure_limit)
         status.interruptions.append(interruption)
+        while len(status.interruptions) > INTERRUPTIONS_KEPT:
+            self._fold(status.interruptions.pop(0))
         status.generation += 1
         if verdict is not None:
             status.failure = verdict
@@ -146,6 +149,19 @@ class RunBook:
             self.move(RunState.FAILED, verdict)
         elif len(status.nodes) < self.spec.min_nodes:
             self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+
+    def _fold(self, interruption: Interruption) -> None:
+        """An old interruption leaves the timeline for the totals (long since restarted from)."""
+        earlier = self.status.earlier_interruptions
+        earlier.count += 1
+        earlier.failures += not is_planned(interruption)
+        earlier.by_cause[interruption.cause.value] = earlier.by_cause.get(interruption.cause.value, 0) + 1
+        earlier.lost_seconds += (interruption.lost_steps or 0) * self.status.progress.step_seconds_p50
+        earlier.idle_seconds += interruption.idle_seconds
+        earlier.recovery_seconds += interruption.restart_seconds or 0.0
+        if is_planned(interruption):
+            earlier.planned_recovery_seconds += interruption.restart_seconds or 0.0
+        earlier.newest_at = interruption.at
 
     def failed(
         self, interruption: Interruption, baseline_mtbf_s: float, recent_goodput: float | None

@@ -2,13 +2,14 @@
 runs (continue-as-new) and the fleet's. What tests/sim asserts and `python -m bench.scale` reports.
 
 An interruption's cost is every event, in any of those executions, from the moment it happened (the
-simulator marks it) until the run is back to normal — the first checkpoint verdict after the next
-generation's first step, and the workflow task that files it — or the next interruption, if that
-comes first. The one checkpoint verdict in that span is part of what a generation costs anyway.
+simulator marks it) until the ranks train again — the next generation's first step, and the workflow
+task that takes it in — or the next interruption, if that comes first. Checkpoint verdicts after
+that are what a generation costs anyway, interrupted or not.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from core.events import CHECKPOINT_JUDGED, MONITOR_REPORT
+from core.events import MONITOR_REPORT
 
 E = EventType
 _OPENED = {E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}
@@ -30,11 +31,20 @@ _CLOSED = {
 }
 
 
+# A quiet monitor (core.events.Quiet) costs the run's history a cycle: its completion and the
+# workflow task for it, a timer started and fired, the workflow task for that, and the next monitor
+# scheduled and started. The real monitor never goes quiet: for what the cycle brought it sends one
+# signal each, and the workflow task for it (SIGNAL_EVENTS).
+QUIET_CYCLE_EVENTS = 11
+SIGNAL_EVENTS = 4
+
+
 @dataclass
 class Cost:
     what: str
     events: int
     bytes: int
+    as_signalled: int = 0  # the events, each quiet monitor's cycle counted as the signals it stands for
 
 
 async def chain(client: Client, workflow_id: str) -> list[list[HistoryEvent]]:
@@ -52,32 +62,81 @@ def seconds(event: HistoryEvent) -> float:
     return event.event_time.seconds + event.event_time.nanos / 1e9
 
 
-def costs(marks: list[tuple[float, str]], run: list[HistoryEvent], others: list[HistoryEvent]) -> list[Cost]:
-    """What each marked interruption cost, over the run's events and the other executions' events."""
+def costs(
+    marks: list[tuple[float, str]], run: list[HistoryEvent], others: list[HistoryEvent], empty_tasks: bool = True
+) -> list[Cost]:
+    """What each marked interruption cost, over the run's events and the other executions' events;
+    without the test server's empty workflow tasks (is_empty_task) if `empty_tasks` is False."""
     ends = [_back_to_normal(run, at) for at, _ in marks]
+    counted = [*run, *others] if empty_tasks else [*_own_events(run), *_own_events(others)]
     windows = []
     for i, (at, what) in enumerate(marks):
         end = min(ends[i], marks[i + 1][0]) if i + 1 < len(marks) else ends[i]
-        touched = [e for e in [*run, *others] if at <= seconds(e) < end]
-        windows.append(Cost(what=what, events=len(touched), bytes=sum(e.ByteSize() for e in touched)))
+        touched = [e for e in counted if at <= seconds(e) < end]
+        quiet = sum(QUIET_CYCLE_EVENTS - SIGNAL_EVENTS * news for e in touched if (news := _quiet_news(e)) is not None)
+        windows.append(
+            Cost(
+                what=what,
+                events=len(touched),
+                bytes=sum(e.ByteSize() for e in touched),
+                as_signalled=len(touched) - quiet,
+            )
+        )
     return windows
 
 
+def _quiet_news(event: HistoryEvent) -> int | None:
+    """For a quiet monitor's completion, how many signals the real monitor would have sent for what
+    it brought (its first step and verdicts); None for any other event."""
+    if event.event_type != E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+        return None
+    result = event.activity_task_completed_event_attributes.result
+    payload = result.payloads[0].data if result.payloads else b""
+    if b'"kind":"quiet"' not in payload:
+        return None
+    report = json.loads(payload)
+    return (report.get("first_step") is not None) + len(report.get("verdicts", []))
+
+
+def is_empty_task(before: HistoryEvent, event: HistoryEvent) -> bool:
+    """A workflow task scheduled right as the last one completed: nothing happened that it could be
+    for. The time-skipping test server schedules one after any task during which an activity started
+    or heartbeated (sdk-java TestWorkflowMutableStateImpl.completeWorkflowTask); a real server does not."""
+    return (
+        event.event_type == E.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED
+        and before.event_type == E.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+    )
+
+
+def _own_events(events: list[HistoryEvent]) -> list[HistoryEvent]:
+    """The events, less each empty workflow task's three (scheduled, started, completed)."""
+    skip: set[int] = set()
+    for i in range(1, len(events)):
+        if is_empty_task(events[i - 1], events[i]):
+            skip.update(range(i, min(i + 3, len(events))))
+    return [e for i, e in enumerate(events) if i not in skip]
+
+
 def _back_to_normal(run: list[HistoryEvent], at: float) -> float:
-    """Just past the workflow task that files the first checkpoint verdict after the first step that
-    follows `at`: the run is checkpointing its new generation as it would with nothing wrong."""
-    first_step = False
+    """Just past the workflow task that takes in the first step after `at`: it comes by signal, or
+    with the monitor's completion (MonitorReport.first_step)."""
     for i, event in enumerate(run):
-        if seconds(event) < at or event.event_type != E.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
-            continue
-        signal = event.workflow_execution_signaled_event_attributes
-        payload = signal.input.payloads[0].data if signal.input.payloads else b""
-        if signal.signal_name == MONITOR_REPORT and b'"kind":"first_step"' in payload:
-            first_step = True
-        elif signal.signal_name == CHECKPOINT_JUDGED and first_step:
+        if seconds(event) >= at and _first_step(event):
             done = next((e for e in run[i:] if e.event_type == E.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), run[-1])
             return seconds(done) + 1e-6
     return seconds(run[-1]) + 1e-6
+
+
+def _first_step(event: HistoryEvent) -> bool:
+    if event.event_type == E.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+        signal = event.workflow_execution_signaled_event_attributes
+        payload = signal.input.payloads[0].data if signal.input.payloads else b""
+        return signal.signal_name == MONITOR_REPORT and b'"kind":"first_step"' in payload
+    if event.event_type == E.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+        result = event.activity_task_completed_event_attributes.result
+        payload = result.payloads[0].data if result.payloads else b""
+        return b'"first_step":{"kind":"first_step"' in payload
+    return False
 
 
 def largest_payload(events: Iterable[HistoryEvent]) -> int:

@@ -114,9 +114,11 @@ class Driver:
         await self.handle.signal(RunWorkflow.resume)
         status = await self._running(8)
         self.cluster.mark("force checkpoint")
-        before = len(status.checkpoints)
+        before = max(c.step for c in status.checkpoints)
         await self.handle.signal(RunWorkflow.force_checkpoint)
-        status = await self._until(lambda s: len(s.checkpoints) > before and s.state == RunState.RUNNING)
+        status = await self._until(
+            lambda s: max(c.step for c in s.checkpoints) > before and s.state == RunState.RUNNING
+        )
         self.silent.add(status.nodes[2])  # its agent stops answering: the launch after the rollback loses it
         newest = max(c.step for c in status.checkpoints if c.resumable)
         self.cluster.mark("resume_from")

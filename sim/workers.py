@@ -10,13 +10,18 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.fleet import FleetActivities, FleetClient
 from core.fleet_requests import RegisterNode
-from sim.activities import HEARTBEAT_SECONDS, SimulatedSupervisor
+from sim.activities import SimulatedSupervisor
 from sim.cluster import SimulatedCluster
+from sim.monitor import HEARTBEAT_SECONDS
+from sim.server_clock import ServerClock
+from workers.devstack import SEARCH_ATTRIBUTES
 from workers.supervisor import ensure_fleet
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, RunWorkflow
@@ -28,14 +33,14 @@ THROTTLE = timedelta(seconds=HEARTBEAT_SECONDS)
 
 @contextlib.asynccontextmanager
 async def simulated_workers(
-    client: Client, cluster: SimulatedCluster, silent: Callable[[], set[str]] = set
+    client: Client, cluster: SimulatedCluster, silent: Callable[[], set[str]] = set, server: ServerClock | None = None
 ) -> AsyncIterator[None]:
     fleet = FleetActivities(client)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow, FleetWorkflow],
-        activities=[*SimulatedSupervisor(cluster, silent).activities(), *fleet.activities()],
+        activities=[*SimulatedSupervisor(cluster, silent, server).activities(), *fleet.activities()],
         max_heartbeat_throttle_interval=THROTTLE,
         default_heartbeat_throttle_interval=THROTTLE,
         max_concurrent_activities=500,
@@ -53,4 +58,18 @@ async def register(client: Client, nodes: list[str], spares: list[str], racks: i
             fleet.ask(RegisterNode(node=node, rack=f"rack-{i % racks}", spare=node in spares, hub=f"{node}:7000"))
             for i, node in enumerate([*nodes, *spares])
         )
+    )
+
+
+async def register_search_attributes(client: Client) -> None:
+    """RunWorkflow upserts RunState, Step and Goodput; like the dev server, the test server fails the
+    workflow task that upserts one it does not know ("search attribute RunState is not defined")."""
+    kinds = {
+        "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,
+        "Int": IndexedValueType.INDEXED_VALUE_TYPE_INT,
+        "Double": IndexedValueType.INDEXED_VALUE_TYPE_DOUBLE,
+    }
+    wanted = dict(attribute.split("=") for attribute in SEARCH_ATTRIBUTES)
+    await client.operator_service.add_search_attributes(
+        AddSearchAttributesRequest(namespace="default", search_attributes={n: kinds[k] for n, k in wanted.items()})
     )

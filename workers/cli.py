@@ -101,6 +101,9 @@ def report(result: RunResult, url: str | None) -> None:
         console.print(timeline_table(result.interruptions))
     else:
         console.print("No interruptions.")
+    if (earlier := result.earlier_interruptions).count:
+        causes = ", ".join(f"{n} {cause}" for cause, n in sorted(earlier.by_cause.items()))
+        console.print(f"and {earlier.count} earlier interruptions, no longer listed: {causes}")
     console.print(ledger_table(result.ledger))
     style = "bold green" if result.state == RunState.COMPLETED else "bold red"
     console.print(

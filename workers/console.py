@@ -48,7 +48,7 @@ def _panel(status: RunStatus, progress: Progress, elapsed: float) -> Group:
     )
     checkpoints = status.checkpoints[-4:]
     kept = "  ".join(f"{c.step}{' ✓' if c.validated else (' …' if c.validated is None else ' ✗')}" for c in checkpoints)
-    footer = Text(f"checkpoints {kept or '-'}   interruptions {len(status.interruptions)}")
+    footer = Text(f"checkpoints {kept or '-'}   interruptions {status.interruption_count()}")
     for interruption in status.interruptions[-3:]:
         footer.append(f"\n  ⚠ {interruption.line()}", style="yellow")
     bar = (

@@ -98,13 +98,21 @@ def _as_of(status: RunStatus, t: datetime, now: datetime) -> RunStatus:
     """The run as the ledger of [start, t] must read it. Not finished: ledger() ends a finished run
     at its end whatever time it is given. And with only its share of the blocking seconds of the
     checkpoints retention deleted: the status keeps just their total, so they are spread evenly
-    over the run (retention keeps a milestone every six hours and deletes between them)."""
-    deleted = status.deleted_checkpoints
+    over the run (retention keeps a milestone every six hours and deletes between them), as is the
+    straggler loss, which the monitor reports as a running total. The costs of interruptions that
+    left the timeline are spread over the time up to the newest of them."""
+    deleted, earlier = status.deleted_checkpoints, status.earlier_interruptions
     share = hours_since_start(status, t) / hours_since_start(status, end_of(status, now))
+    folded = 1.0
+    if earlier.newest_at is not None and earlier.newest_at > t:
+        folded = hours_since_start(status, t) / max(hours_since_start(status, earlier.newest_at), 1e-9)
+    costs = ("lost_seconds", "idle_seconds", "recovery_seconds")
     return status.model_copy(
         update={
             "finished_at": None,
             "deleted_checkpoints": deleted.model_copy(update={"blocking_seconds": deleted.blocking_seconds * share}),
+            "earlier_interruptions": earlier.model_copy(update={k: getattr(earlier, k) * folded for k in costs}),
+            "straggler_seconds": status.straggler_seconds * share,
         }
     )
 
@@ -123,8 +131,11 @@ def ledger_series(status: RunStatus, now: datetime, points: int = POINTS) -> tup
 
 
 def recent_goodput_series(status: RunStatus, now: datetime, points: int = POINTS) -> tuple[Series, Series]:
-    """Goodput over the hour before each of `ledger_times`, from the first time a full hour lies behind."""
-    times = ledger_times(status, now, points)
+    """Goodput over the hour before each of `ledger_times`, from the first time a full hour lies behind
+    it, and only where that hour is past the interruptions the timeline folded into totals (it no
+    longer knows when those were)."""
+    folded = status.earlier_interruptions.newest_at
+    times = [t for t in ledger_times(status, now, points) if folded is None or t - RECENT > folded]
     recent = [(hours_since_start(status, t), recent_goodput(_as_of(status, t, now), t)) for t in times]
     known = [(h, g) for h, g in recent if g is not None]
     return np.array([h for h, _ in known], dtype=np.float64), np.array([g for _, g in known], dtype=np.float64)
@@ -150,7 +161,7 @@ def interval_series(status: RunStatus, now: datetime) -> tuple[Series, Series, S
 
 def counts_by_cause(status: RunStatus) -> dict[str, int]:
     """Interruptions per cause, the most frequent first."""
-    return dict(Counter(i.cause.value for i in status.interruptions).most_common())
+    return dict(Counter(status.interruptions_by_cause()).most_common())
 
 
 def counts_by_node(status: RunStatus, top: int = TOP_NODES) -> list[NodeCounts]:

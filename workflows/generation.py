@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.workflow import ActivityHandle
@@ -31,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         MonitorInput,
         MonitorReport,
         NodeLost,
+        Quiet,
         RankFailed,
         RanksFinished,
         SdcDetected,
@@ -39,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
         StragglerFound,
     )
     from core.faults import HARDWARE
-    from core.interval import choose_interval
+    from core.interval import checkpoint_steps, choose_interval
     from core.launch import Launch, supervision_env
     from core.lifecycle import RunState
     from core.runbook import RunBook
@@ -57,6 +59,7 @@ Ending = RankFailed | NodeLost | RanksFinished | Hang | SdcDetected | AllHeld | 
 class Generation:
     number: int
     monitor: ActivityHandle[MonitorReport]
+    heard: bool = False  # what the monitor's completion brought is in the inbox
 
     def end(self) -> None:
         """Stop watching (a monitor that reported the end has stopped by itself). The ranks keep running
@@ -67,6 +70,29 @@ class Generation:
 
     def ending(self) -> MonitorEvent | None:
         """What the monitor completed with: the event that ended the generation."""
+        event = self._completed()
+        return None if isinstance(event, Quiet) else event
+
+    def quiet(self) -> Quiet | None:
+        """The monitor stopped with nothing due before a time: the generation goes on unwatched."""
+        event = self._completed()
+        return event if isinstance(event, Quiet) else None
+
+    def watch_again(self, book: RunBook) -> None:
+        self.monitor, self.heard = start_monitor(book).monitor, False
+
+    def hear(self, book: RunBook, inbox: Inbox) -> None:
+        """Take in (once) what the monitor's completion brought before its event, and a quiet one's
+        progress."""
+        if self.heard or self._completed() is None:
+            return
+        self.heard = True
+        report = self.monitor.result()
+        inbox.hand_over(report)
+        if (quiet := self.quiet()) is not None:
+            book.observe(quiet)
+
+    def _completed(self) -> MonitorEvent | None:
         if not self.monitor.done() or self.monitor.cancelled() or self.monitor.exception() is not None:
             return None
         report = self.monitor.result()
@@ -108,8 +134,10 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
     )
 
 
-def start_monitor(book: RunBook, first_step: bool, checkpoint_steps: float) -> Generation:
+def start_monitor(book: RunBook) -> Generation:
+    """Watch the current generation; from its first step while it has not reported one."""
     status, spec = book.status, book.spec
+    first_step = status.state in (RunState.LAUNCHING, RunState.RESUMING)
     health = spec.health
     resume = status.latest_valid_checkpoint()
     assert status.started_at is not None
@@ -119,7 +147,7 @@ def start_monitor(book: RunBook, first_step: bool, checkpoint_steps: float) -> G
         verified_step=status.verified_step,
         started_at=status.started_at,
         sdc_check_steps=spec.sdc.self_check_every,
-        checkpoint_steps=checkpoint_steps,
+        checkpoint_steps=checkpoint_steps(status),
     )
     input = MonitorInput(
         run_id=status.run_id,
@@ -157,8 +185,10 @@ async def supervise(
     generation ended, an event `ends` wants (a hold's AllHeld), a person's request, or the moment to
     continue as new; None once `until()` holds. Verdicts are filed as they come."""
     while True:
+        gen.hear(book, inbox)
         if gen.ending() is None and not inbox.news():
-            await _news_or_end(inbox, gen)
+            await _news_or_end(book, inbox, gen)
+            gen.hear(book, inbox)
         ended = gen.ending()
         for event in [*inbox.events(gen.number), *([ended] if ended is not None else [])]:
             if book.known(event):
@@ -173,6 +203,8 @@ async def supervise(
         if until():
             return None
         if take_requests and inbox.requests:
+            if gen.quiet() is not None:
+                gen.watch_again(book)  # a request is carried out with the ranks watched
             return inbox.requests.pop(0)
         if reattach_due():
             return Reattach()
@@ -191,9 +223,16 @@ async def retune(book: RunBook) -> None:
     await calls.command(command, f"checkpoint every {choice.seconds:.4g}s from now: {choice.why}")
 
 
-async def _news_or_end(inbox: Inbox, gen: Generation) -> None:
+async def _news_or_end(book: RunBook, inbox: Inbox, gen: Generation) -> None:
     """Until something arrives in the inbox or the monitor completes (a monitor that is done without
-    an ending, cancelled, leaves only the inbox)."""
+    an ending, cancelled, leaves only the inbox). A quiet monitor is watched again at the time it
+    named, at once when a person asks something or the ranks are sent a command."""
+    if (quiet := gen.quiet()) is not None:
+        asleep = timedelta(seconds=max(0.0, quiet.until - workflow.now().timestamp()))
+        commands = book.status.command_seq
+        await inbox.until(lambda: bool(inbox.requests) or book.status.command_seq != commands, asleep)
+        gen.watch_again(book)
+        return
     if gen.monitor.done():
         await inbox.wait()
         return

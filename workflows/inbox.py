@@ -51,6 +51,12 @@ class Inbox:
             return False
         return True
 
+    def hand_over(self, completed: MonitorReport) -> None:
+        """What a monitor's completion brought besides its event, as if each had been signalled."""
+        if completed.first_step is not None:
+            self.reports.append(MonitorReport(generation=completed.generation, event=completed.first_step))
+        self.verdicts.extend(completed.verdicts)
+
     def events(self, generation: int) -> list[MonitorEvent]:
         """The monitor's reports on `generation`, oldest first; reports on an older one are stale."""
         reports, self.reports = self.reports, []

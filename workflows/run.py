@@ -40,7 +40,7 @@ with workflow.unsafe.imports_passed_through():
     from core.fleet_requests import RecordExposure
     from core.goodput import ledger, recent_goodput
     from core.health import Health, health_table
-    from core.interval import checkpoint_seconds, checkpoint_steps, choose_interval, prior_mtbf
+    from core.interval import checkpoint_seconds, choose_interval, prior_mtbf
     from core.paging import Page
     from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
     from core.runbook import RunBook
@@ -134,6 +134,7 @@ class RunWorkflow:
             state=status.state,
             final_step=status.progress.step,
             interruptions=status.interruptions,
+            earlier_interruptions=status.earlier_interruptions,
             ledger=ledger(status, workflow.now()),
             failure=status.failure,
         )
@@ -261,7 +262,7 @@ class RunWorkflow:
                 book.keep_survivors(None)  # held survivors may have been told to rejoin: start afresh
                 await self._restart(await incidents.unreachable(book, launched.unreachable))
                 return None
-        gen = generation.start_monitor(book, first_step=not reattach, checkpoint_steps=self._checkpoint_steps())
+        gen = generation.start_monitor(book)
         book.launched()
         return gen
 
@@ -368,9 +369,6 @@ class RunWorkflow:
 
     def _checkpoint_seconds(self) -> float | None:
         return checkpoint_seconds(self.book.status)
-
-    def _checkpoint_steps(self) -> float:
-        return checkpoint_steps(self.book.status)
 
     def _show(self, status: RunStatus, note: str) -> None:
         """The web UI's view of a change of state: the run's details, and what runs are listed by.

@@ -7,7 +7,9 @@ import pytest
 
 from core.launch import Launch
 from core.telemetry import Command
-from sim.cluster import FailureSchedule, SimulatedCluster
+from sim.cluster import FailureSchedule, Fault, SimulatedCluster
+from sim.failure_mix import Draw
+from sim.month import TrainingTimeSchedule
 
 STEP_S = 1.0
 
@@ -48,3 +50,36 @@ def test_an_interval_command_moves_the_plan_from_the_next_step(
     generation = cluster.current("r")
     assert generation is not None
     assert generation.checkpoint_steps() == expected
+
+
+@pytest.mark.parametrize(
+    ("uptime_s", "expected"),
+    [
+        pytest.param(0.0, [("crash", 100), ("damage", 250), ("sdc", 400)], id="a fresh run meets every draw"),
+        pytest.param(150.0, [("damage", 100), ("sdc", 250)], id="after 150 s of training: what is left, sooner"),
+        pytest.param(400.0, [], id="past the last draw: nothing"),
+    ],
+)
+def test_failures_come_at_points_of_training_time(uptime_s: float, expected: list[tuple[str, int]]) -> None:
+    draws = [
+        Draw(100.0, "crash", 0, "t"),
+        Draw(250.0, "checkpoint_damaged", 0, "t"),
+        Draw(300.0, "drain", 0, "t"),  # on the calendar: the operator's, not the schedule's
+        Draw(400.0, "sdc_deterministic", 1, "t"),
+    ]
+    faults = TrainingTimeSchedule(draws).plan(0, uptime_s, step_seconds=1.0)
+    assert [(f.kind, f.after_steps) for f in faults] == expected
+    assert all(f.lasting == (f.kind == "sdc") for f in faults)
+
+
+def test_a_generation_trains_until_its_fault_and_commits_nothing_after_it() -> None:
+    now = [0.0]
+    cluster = cluster_with(now)
+    generation = cluster.current("r")
+    assert generation is not None
+    generation.faults = [Fault("damage", 15), Fault("crash", 45)]
+    generation.blocking_seconds = 6.0  # the checkpoint of step 40 is still being written at step 45 ... 46
+    assert generation.checkpoint_steps() == [10, 20, 30]
+    assert [s for s in generation.checkpoint_steps() if generation.damaged(s)] == [20]
+    assert generation.trained_seconds == 45 * STEP_S
+    assert generation.ended_at() == generation.at(45)

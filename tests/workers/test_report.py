@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 
 from core.goodput import ledger
-from core.run import Cause, DeletedCheckpoints, IntervalChoice, Progress, RunState, RunStatus, Sample
+from core.run import (
+    Cause,
+    DeletedCheckpoints,
+    EarlierInterruptions,
+    IntervalChoice,
+    Progress,
+    RunState,
+    RunStatus,
+    Sample,
+)
 from tests.core.runs import at, checkpoint, interruption, status
 from workers import cli
 from workers.report import (
@@ -104,6 +113,14 @@ def test_the_last_hour_goodput_starts_once_an_hour_lies_behind() -> None:
     half_past_three = int(np.argmin(abs(hours - 3.5)))
     assert hours[half_past_three] == pytest.approx(3.5)
     assert goodput[half_past_three] == pytest.approx(ledger(unfinished, at(hours=3.5), since=at(hours=2.5)).goodput)
+
+
+def test_the_last_hour_goodput_starts_where_the_timeline_is_whole() -> None:
+    folded = finished_run().model_copy(
+        update={"earlier_interruptions": EarlierInterruptions(count=3, newest_at=at(hours=2))}
+    )
+    hours, _ = recent_goodput_series(folded, now=END)
+    assert hours.size and hours[0] > 3.0  # the hour before each lies past the folded interruptions
 
 
 def test_interruptions_are_counted_by_cause_and_by_node() -> None:
