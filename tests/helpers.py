@@ -132,13 +132,21 @@ class RecordCollector:
     from the run (quarantined, then back after its self-test) keeps its records on a channel of its
     own when it joins again. Agents forget a run's records once it is released."""
 
-    def __init__(self, client: Client, handle: WorkflowHandle) -> None:
+    def __init__(self, client: Client, handle: WorkflowHandle, nodes: list[str] | None = None) -> None:
         self.records: list[Record] = []
         self._followed: dict[str, int] = {}  # node → the newest generation followed there
         self._tasks: list[asyncio.Task[None]] = []
-        self._watch = asyncio.create_task(self._watch_nodes(client, handle))
+        self._watch = asyncio.create_task(self._watch_nodes(client, handle, nodes or []))
 
-    async def _watch_nodes(self, client: Client, handle: WorkflowHandle) -> None:
+    async def _watch_nodes(self, client: Client, handle: WorkflowHandle, nodes: list[str]) -> None:
+        # The spec's nodes are followed from the first generation at once: the run's first status
+        # may come only after a fast first generation has ended, and a node it quarantined has
+        # forgotten the run's records by then.
+        if nodes and handle.first_execution_run_id:
+            run_id = f"{handle.id}/{handle.first_execution_run_id[:8]}"
+            for node, hub in (await hubs(client, nodes)).items():
+                self._tasks.append(asyncio.create_task(self._follow(hub, run_id, 0)))
+                self._followed[node] = 0
         while True:
             with contextlib.suppress(Exception):
                 status = await handle.query(RunWorkflow.status_query)

@@ -72,13 +72,15 @@ async def test_six_nodes_survive_a_killed_rank_and_a_drain(
     client: Client, checkpoint_root: Path, wide: list[str]
 ) -> None:
     handle = await start(client, wide_spec(checkpoint_root, wide[:6], wide[6:], target_step=TARGET), "wide")
-    collector = RecordCollector(client, handle)
+    collector = RecordCollector(client, handle, wide[:6])
     await wait_for_step(client, handle, 23)
+    await collector.caught_up("w5", 20)  # w5's agent forgets the run's records once w5 is quarantined
     os.kill((await rank_pids(client, handle))["w5"][4], signal.SIGKILL)
     await wait_until(handle, lambda s: s.generation == 1 and s.state == RunState.RUNNING and s.progress.step >= 35)
     # w5 lost a process, not its hardware: its self-test passes and it is back in the pool, the
     # first candidate for the next node the run loses (RunBook.spare_candidates).
     await wait_for_fleet(client, lambda nodes: nodes["w5"].state.usable, timeout=60)
+    await collector.caught_up("w2", 35)  # w2 leaves the run, and its agent forgets the run's records
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="w2", reason="fan failing"))
     assert "replaced w2 with spare w5" in outcome
 
