@@ -34,7 +34,17 @@ from core.run import RunState
 from sim import history
 from sim.failure_mix import draw, load_mix
 from sim.measure import came_back, interval_error, measured, pages_per_week, repeat_nodes
-from sim.month import BLOCKING_S, DAY_S, STARTUP_S, STEP_S, Month, MonthRan, crashes_every, pages_file, simulate
+from sim.month import (
+    BLOCKING_S,
+    DAY_S,
+    RANKS_PER_NODE,
+    STARTUP_S,
+    STEP_S,
+    Month,
+    MonthRan,
+    crashes_every,
+    simulate,
+)
 from workers.report import write_report
 
 DAYS = 30
@@ -52,7 +62,7 @@ QUICK_LIMIT_S = 300.0
 def mix_month(nodes: int) -> Month:
     """A month at `nodes` × 8 GPUs of the Llama 3 mix; its length in steps is what a month holds at
     the overhead Daly's interval predicts for the mix's MTBF (the run ends about then)."""
-    gpus = nodes * 8
+    gpus = nodes * RANKS_PER_NODE
     mix = load_mix()
     m = mix.mtbf_hours(gpus) * 3600
     predicted = overhead(BLOCKING_S, daly(BLOCKING_S, m), m, STARTUP_S)
@@ -79,7 +89,7 @@ def figures(ran: MonthRan, out: Path) -> dict[str, object]:
     paths = write_report(status, status.finished_at, out / ran.month.name)
     return {
         "run": ran.month.name,
-        "gpus": ran.month.nodes * 8,
+        "gpus": ran.month.nodes * RANKS_PER_NODE,
         "completed": status.state == RunState.COMPLETED,
         "days": round(book.wall / DAY_S, 2),
         "goodput": round(book.goodput, 4),
@@ -97,7 +107,7 @@ def figures(ran: MonthRan, out: Path) -> dict[str, object]:
         "overhead_formula_pct": round(100 * got.formula, 2),
         "overhead_gap_points": round(100 * (got.simulated - got.formula), 2),
         "interval_error_max": round(interval_error(ran), 4),
-        "pages_per_week": pages_per_week(ran, pages_file(ran.root)),
+        "pages_per_week": pages_per_week(ran),
         "repeat_nodes": repeat_nodes(status),
         "self_tests_failed": sum(not passed for _, _, passed in ran.cluster.self_tests),
         "failed_self_test_came_back": len(came_back(ran)),

@@ -7,7 +7,7 @@ import statistics
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from core.paging import failures
+from core.paging import failure_count
 from core.run import IntervalChoice
 
 if TYPE_CHECKING:
@@ -102,8 +102,7 @@ def run_mtbf(status: RunStatus, now: datetime) -> float:
     if status.started_at is None:
         return prior_mtbf(status)
     exposed = max(0.0, (now - status.started_at).total_seconds() - status.idle_seconds())
-    failed = status.earlier_interruptions.failures + len(failures(status.interruptions))
-    return mtbf(exposed, failed, prior_mtbf(status))
+    return mtbf(exposed, failure_count(status), prior_mtbf(status))
 
 
 def checkpoint_steps(status: RunStatus) -> float:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from core.text import Text
 
 if TYPE_CHECKING:
-    from core.run import Interruption
+    from core.run import Interruption, RunStatus
     from core.spec import FailureLimit
 
 WINDOW = timedelta(hours=1)
@@ -60,6 +60,11 @@ def is_planned(interruption: Interruption) -> bool:
 def failures(interruptions: list[Interruption]) -> list[Interruption]:
     """The interruptions nobody asked for: what the MTBF and every paging rule count."""
     return [i for i in interruptions if not is_planned(i)]
+
+
+def failure_count(status: RunStatus) -> int:
+    """The run's failures over its whole timeline, those folded into its totals included."""
+    return status.earlier_interruptions.failures + len(failures(status.interruptions))
 
 
 def classify(

@@ -10,13 +10,12 @@ import json
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from core.goodput import Ledger, ledger
 from core.interval import daly, overhead
-from core.paging import failures, is_planned
+from core.paging import failure_count, failures, is_planned
 from core.run import RunStatus
-from sim.month import DAY_S, MonthRan
+from sim.month import DAY_S, MonthRan, pages_file
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ def measured(ran: MonthRan) -> Overhead:
     book = ledger(status, status.finished_at)
     earlier = status.earlier_interruptions
     failed = failures(status.interruptions)
-    count = earlier.failures + len(failed)
+    count = failure_count(status)
     planned = earlier.planned_recovery_seconds + sum(
         i.restart_seconds or 0.0 for i in status.interruptions if is_planned(i)
     )
@@ -117,10 +116,11 @@ def came_back(ran: MonthRan) -> list[str]:
     ]
 
 
-def pages_per_week(ran: MonthRan, pages: Path) -> dict[str, float]:
-    """Pages the run sent (its JSONL sink), per week of the run, by paging class."""
-    if not pages.exists():
+def pages_per_week(ran: MonthRan) -> dict[str, float]:
+    """Pages the run sent (its spec's JSONL sink), per week of the run, by paging class."""
+    pages, status = pages_file(ran.root), ran.status
+    if not pages.exists() or status.started_at is None or status.finished_at is None:
         return {}
     sent = Counter(json.loads(line)["paging"] for line in pages.read_text().splitlines() if line.strip())
-    weeks = measured(ran).ledger.wall / (7 * DAY_S)
+    weeks = (status.finished_at - status.started_at).total_seconds() / (7 * DAY_S)
     return {k: round(n / weeks, 2) for k, n in sorted(sent.items())}

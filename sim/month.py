@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +24,6 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowU
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from core.fleet import Quarantine
 from core.run import RunState, RunStatus
 from core.spec import RunSpec
 from sim import history
@@ -32,7 +31,7 @@ from sim.cluster import ENDED, Fault, FaultKind, SimulatedCluster
 from sim.failure_mix import Draw, Kind
 from sim.server_clock import ServerClock
 from sim.workers import register, register_search_attributes, simulated_workers
-from workflows.fleet import FleetWorkflow, fleet_handle
+from workflows.fleet import fleet_handle
 from workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
 
 DAY_S = 86_400.0
@@ -149,12 +148,10 @@ class MonthRan:
     root: Path  # the checkpoint root its spec names, and its pages' file
     status: RunStatus
     cluster: SimulatedCluster
-    quarantines: list[Quarantine]
     run: list[list[HistoryEvent]]  # the run's chain of executions
     fleet: list[list[HistoryEvent]]
     costs: list[history.Cost]  # what each interruption cost the histories, as sim/history counts it
     real_s: float  # seconds this machine took
-    drains: list[tuple[float, str]] = field(default_factory=list)  # when the operator drained which node
 
 
 async def simulate(month: Month, root: Path, server: Path) -> MonthRan:
@@ -182,14 +179,13 @@ async def simulate(month: Month, root: Path, server: Path) -> MonthRan:
             await register(client, spec.nodes, spec.spare_nodes)
             handle = await client.start_workflow(RunWorkflow.run, spec, id=month.name, task_queue=TASK_QUEUE)
             operator = Operator(env, client.get_workflow_handle(handle.id), clock, cluster)
-            drains = await operator.run(month.drains)
+            await operator.run(month.drains)
             status: RunStatus = await client.get_workflow_handle(handle.id).query(RunWorkflow.status_query)
-            quarantines = await fleet_handle(client).query(FleetWorkflow.quarantines)
         run = await history.chain(client, handle.id)
         fleet = await history.chain(client, fleet_handle(client).id)
     interruptions = what_interrupted(cluster)
     costs = history.costs(interruptions, [e for s in run for e in s], [e for s in fleet for e in s], empty_tasks=False)
-    return MonthRan(month, root, status, cluster, quarantines, run, fleet, costs, time.monotonic() - began, drains)
+    return MonthRan(month, root, status, cluster, run, fleet, costs, time.monotonic() - began)
 
 
 def what_interrupted(cluster: SimulatedCluster) -> list[tuple[float, str]]:
@@ -211,17 +207,14 @@ class Operator:
     clock: ServerClock
     cluster: SimulatedCluster
 
-    async def run(self, drains: list[Draw]) -> list[tuple[float, str]]:
+    async def run(self, drains: list[Draw]) -> None:
         start = await self.clock.read()
-        done: list[tuple[float, str]] = []
         for draw in drains:
             if not await self._advance_to(start + draw.at_s):
-                return done
-            if (node := await self._drain(draw)) is not None:
-                done.append((self.clock(), node))
+                return
+            await self._drain(draw)
         while not await self._closed():
             await self.env.sleep(timedelta(seconds=AWAKE_S))
-        return done
 
     async def _advance_to(self, at: float) -> bool:
         """Let the server's clock run to `at`; False if the run ended first."""
@@ -231,12 +224,12 @@ class Operator:
             await self.env.sleep(timedelta(seconds=min(AWAKE_S, at - now)))
         return not await self._closed()
 
-    async def _drain(self, draw: Draw) -> str | None:
+    async def _drain(self, draw: Draw) -> None:
         """Drain the draw's node once the run is RUNNING (maintenance waits for a restart to finish)."""
         while True:
             status: RunStatus = await self.handle.query(RunWorkflow.status_query)
             if status.state.terminal:
-                return None
+                return
             if status.state == RunState.RUNNING:
                 break
             await self.env.sleep(timedelta(seconds=60))
@@ -247,7 +240,6 @@ class Operator:
             DrainNode(node=node, reason="planned maintenance"),
             wait_for_stage=WorkflowUpdateStage.ACCEPTED,
         )
-        return node
 
     async def _closed(self) -> bool:
         description = await self.handle.describe()
