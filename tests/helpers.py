@@ -146,25 +146,26 @@ class RecordCollector:
         if nodes and handle.first_execution_run_id:
             run_id = f"{handle.id}/{handle.first_execution_run_id[:8]}"
             for node, hub in (await hubs(client, nodes)).items():
-                self._tasks.append(asyncio.create_task(self._follow(hub, run_id, 0)))
-                self._followed[node] = 0
+                self._tasks += [asyncio.create_task(self._follow(hub, run_id, g)) for g in (0, 1)]
+                self._followed[node] = 1
         while True:
             with contextlib.suppress(Exception):
                 status = await handle.query(RunWorkflow.status_query)
                 for node, hub in (await hubs(client, status.nodes)).items():
                     # Every generation since the last one followed here (all of them for a node not seen
-                    # before): a short one may pass unseen, even the first, when ranks start fast.
+                    # before), and the next one ahead of time: a query can stall for seconds during a
+                    # launch, and a short generation may pass, and its node be released, unseen.
                     since = self._followed.get(node, -1) + 1
-                    for generation in range(since, status.generation + 1):
+                    for generation in range(since, status.generation + 2):
                         self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id, generation)))
-                    self._followed[node] = max(status.generation, self._followed.get(node, -1))
+                    self._followed[node] = max(status.generation + 1, self._followed.get(node, -1))
             await asyncio.sleep(0.2)
 
     async def _follow(self, hub: str, run_id: str, generation: int) -> None:
         """One generation's records on one node (a record of no generation, such as a GPU reading,
         comes with the stream that was first to see it). A stream cut by an error is opened again,
         skipping what it already gave; a stream the agent ends (the run released there) stays ended."""
-        address, seen = Endpoint.parse(hub), -1
+        address, seen, begun = Endpoint.parse(hub), -1, False  # begun: its generation's records came
         while True:
             try:
                 reader, writer = await asyncio.open_connection(address.host, address.port)
@@ -179,7 +180,10 @@ class RecordCollector:
                     if line.startswith(b'{"t":"beat"'):
                         continue
                     record = Record.model_validate_json(line)
-                    if record.seq > seen and getattr(record.message, "generation", generation) == generation:
+                    of = getattr(record.message, "generation", None)
+                    begun = begun or of == generation
+                    # A stream opened ahead of its generation takes no record of none till it begins.
+                    if record.seq > seen and (of == generation or (of is None and begun)):
                         self.records.append(record)
                     seen = max(seen, record.seq)
                 return
