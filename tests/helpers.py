@@ -135,7 +135,6 @@ class RecordCollector:
     def __init__(self, client: Client, handle: WorkflowHandle, nodes: list[str] | None = None) -> None:
         self.records: list[Record] = []
         self._followed: dict[str, int] = {}  # node → the newest generation followed there
-        self.errors: list[str] = []  # streams cut by an error (and opened again), for a failure's message
         self._tasks: list[asyncio.Task[None]] = []
         self._watch = asyncio.create_task(self._watch_nodes(client, handle, nodes or []))
 
@@ -163,34 +162,23 @@ class RecordCollector:
 
     async def _follow(self, hub: str, run_id: str, generation: int) -> None:
         """One generation's records on one node (a record of no generation, such as a GPU reading,
-        comes with the stream that was first to see it). A stream cut by an error is opened again,
-        skipping what it already gave; a stream the agent ends (the run released there) stays ended."""
-        address, seen, begun = Endpoint.parse(hub), -1, False  # begun: its generation's records came
-        while True:
-            try:
-                reader, writer = await asyncio.open_connection(address.host, address.port)
-            except OSError as exc:
-                self.errors.append(f"{hub} generation {generation}: {exc!r}")
-                await asyncio.sleep(0.2)
-                continue
-            writer.write(Subscribe(run_id=run_id, generation=generation).model_dump_json().encode() + b"\n")
-            try:
-                await writer.drain()
-                while line := await reader.readline():
-                    if line.startswith(b'{"t":"beat"'):
-                        continue
-                    record = Record.model_validate_json(line)
-                    of = getattr(record.message, "generation", None)
-                    begun = begun or of == generation
-                    # A stream opened ahead of its generation takes no record of none till it begins.
-                    if record.seq > seen and (of == generation or (of is None and begun)):
-                        self.records.append(record)
-                    seen = max(seen, record.seq)
-                return
-            except OSError as exc:
-                self.errors.append(f"{hub} generation {generation}: {exc!r}")
-            finally:
-                writer.close()
+        comes with the stream that was first to see it)."""
+        address = Endpoint.parse(hub)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(Subscribe(run_id=run_id, generation=generation).model_dump_json().encode() + b"\n")
+        await writer.drain()
+        begun = False  # its generation's records came: a stream opened ahead of it takes none of no generation
+        try:
+            while line := await reader.readline():
+                if line.startswith(b'{"t":"beat"'):
+                    continue
+                record = Record.model_validate_json(line)
+                of = getattr(record.message, "generation", None)
+                begun = begun or of == generation
+                if of == generation or (of is None and begun):
+                    self.records.append(record)
+        finally:
+            writer.close()
 
     async def caught_up(self, node: str, step: int, timeout: float = 30.0) -> None:
         """Until this collector holds `node`'s step reports up to `step`: a node released from the run
@@ -199,10 +187,7 @@ class RecordCollector:
         while max((r.step for r in step_reports([r for r in self.records if r.node == node])), default=0) < step:
             if time.monotonic() > deadline:
                 followed = self._followed.get(node)
-                raise TimeoutError(
-                    f"no step {step} from {node} in {timeout}s (generations followed there: up to {followed}; "
-                    f"streams cut: {self.errors[-5:] or 'none'})"
-                )
+                raise TimeoutError(f"no step {step} from {node} in {timeout}s (generations followed: up to {followed})")
             await asyncio.sleep(0.05)
 
     def stop(self) -> list[Record]:
