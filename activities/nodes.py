@@ -67,12 +67,24 @@ class NodeActivities:
         ready, missing = await ask_each(
             hubs,
             nodes,
-            lambda node: Prepare(run_id=request.run_id, generation=request.generation, open_store=node == host),
+            lambda node: Prepare(
+                run_id=request.run_id,
+                generation=request.generation,
+                open_store=node == host,
+                backend=request.backend,
+                ranks_per_node=request.ranks_per_node,
+            ),
             request.answer_within,
         )
-        if missing:
-            log.warning("launch: nodes did not answer", run_id=request.run_id, unreachable=sorted(missing))
-            return Launched(unreachable=missing)
+        refused = {node: a.refused for node, a in ready.items() if isinstance(a, Prepared) and a.refused}
+        if missing or refused:
+            log.warning(
+                "launch: nodes did not answer or refused",
+                run_id=request.run_id,
+                unreachable=sorted(missing),
+                refused=refused,
+            )
+            return Launched(unreachable=missing, refused=refused)
         prepared = ready[host]
         assert isinstance(prepared, Prepared) and prepared.rendezvous is not None
         index = {node: i for i, node in enumerate(nodes)}

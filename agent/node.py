@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from agent.forkserver import ForkServer
@@ -60,6 +61,23 @@ def _tail(path: Path, offset: int) -> str:
         return f.read()
 
 
+def backend_refusal(node: str, backend: str, ranks_per_node: int) -> str | None:
+    """Why this host cannot run `ranks_per_node` ranks on `backend`, or None if it can. Without this,
+    NCCL ranks on a host with no GPU fail one by one at init, and each failure reads as the node's."""
+    if backend != "nccl":
+        return None
+    if not torch.cuda.is_available():
+        why = (
+            f"torch {torch.__version__} sees no CUDA device"
+            if torch.version.cuda
+            else f"torch {torch.__version__} is a CPU-only build"
+        )
+        return f"{node} cannot run backend nccl: {why}; use backend gloo, or nodes with GPUs"
+    if (devices := torch.cuda.device_count()) < ranks_per_node:
+        return f"{node} has {devices} CUDA devices for {ranks_per_node} NCCL ranks per node: lower ranks_per_node"
+    return None
+
+
 def resolve_argv(argv: list[str]) -> list[str]:
     """`python` in an entrypoint means this agent's interpreter, as `torchrun script.py` would."""
     return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
@@ -91,7 +109,11 @@ class NodeAgent:
         return await self.self_test(request)
 
     def prepare(self, request: Prepare) -> Prepared:
-        """Say this agent is here; open a fresh rendezvous store if this node hosts the generation's."""
+        """Say this agent is here, and whether this host can run the generation; open a fresh
+        rendezvous store if this node hosts the generation's."""
+        if (refused := backend_refusal(self.node, request.backend, request.ranks_per_node)) is not None:
+            log.warning("launch refused", run_id=request.run_id, node=self.node, reason=refused)
+            return Prepared(refused=refused)
         rendezvous = None
         if request.open_store:
             # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.

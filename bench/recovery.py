@@ -123,6 +123,7 @@ async def stayalive_trials(runs: int, crash_step: int, fork_server: bool, root: 
     )
     stack.start()
     try:
+        await stack.ready()
         client = await connect(stack.address)
         trials = []
         for i in range(runs):

@@ -16,23 +16,28 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from core.fleet import SelfTestResult
 from core.launch import Endpoint, NodeLaunch
+from core.spec import Backend
 from core.telemetry import Command
 
 # -- one agent: requests and answers on its hub -------------------------------------------------------
 
 
 class Prepare(BaseModel):
-    """Are you there? The node hosting the generation's rendezvous opens a fresh store."""
+    """Are you there, and can you run this? The node hosting the generation's rendezvous opens a
+    fresh store."""
 
     t: Literal["prepare"] = "prepare"
     run_id: str
     generation: int
     open_store: bool
+    backend: Backend = "gloo"
+    ranks_per_node: int = 1
 
 
 class Prepared(BaseModel):
     t: Literal["prepared"] = "prepared"
     rendezvous: Endpoint | None = None
+    refused: str | None = None  # why this node cannot run the generation (e.g. NCCL without CUDA)
 
 
 class StartRanks(BaseModel):

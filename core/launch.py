@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from core.faults import HardwareFault
-from core.spec import RunSpec
+from core.spec import Backend, RunSpec
 
 # A rank that cannot load the checkpoint it was told to resume from exits with this code, so the
 # workflow marks that checkpoint unusable and resumes from an earlier one.
@@ -42,6 +42,7 @@ class Launch(BaseModel):
     generation: int
     nodes: list[str]
     ranks_per_node: int
+    backend: Backend = "gloo"
     entrypoint: list[str]
     env: dict[str, str]  # the same for every rank of the generation (the spec's env and STAYALIVE_*)
     # After a hold the survivors keep their processes: on each node the live ranks of the last
@@ -102,16 +103,18 @@ class NodeLaunch(BaseModel):
 
 
 class Launched(BaseModel):
-    """What the `launch` activity reports: the generation started on every node, or the nodes whose
+    """What the `launch` activity reports: the generation started on every node; or the nodes whose
     agents did not answer in time (then nothing was started, or what was started waits in vain for
-    them and is stopped by the next launch)."""
+    them and is stopped by the next launch); or the nodes that answered they cannot run it (then
+    nothing was started: no other node would do better with the same spec)."""
 
     rendezvous: str | None = None
     unreachable: dict[str, str] = {}  # node → why, e.g. "no answer within 15s"
+    refused: dict[str, str] = {}  # node → why, e.g. "backend nccl needs CUDA; torch here sees no GPU"
 
     @property
     def started(self) -> bool:
-        return not self.unreachable
+        return not self.unreachable and not self.refused
 
 
 class Membership(BaseModel):
@@ -156,6 +159,7 @@ def supervision_env(
         "STAYALIVE_GENERATION": str(generation),
         "STAYALIVE_TARGET_STEP": str(spec.target_step or 0),
         "STAYALIVE_CONFIG_DIGEST": spec.config_digest,
+        "STAYALIVE_BACKEND": spec.backend,
         "STAYALIVE_CHECKPOINT_DIR": checkpoint_dir,
         "STAYALIVE_FAULTS": "[" + ",".join(f.model_dump_json() for f in spec.faults) + "]",
         "STAYALIVE_SDC": spec.sdc.model_dump_json(),

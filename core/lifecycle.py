@@ -33,7 +33,8 @@ S = RunState
 # Moves that any live run may make, whatever it is doing.
 _ANYWHERE = {
     S.STOPPED: "a failure a person must look at (the same step twice), or fewer nodes than min_nodes",
-    S.FAILED: "failures came faster than the spec's failure_limit allows: restarts would eat the run",
+    S.FAILED: "failures came faster than the spec's failure_limit allows (restarts would eat the run), "
+    "or a node refused the launch (a backend its host cannot run)",
     S.CANCELLED: "a person cancelled the workflow",
 }
 

@@ -128,6 +128,11 @@ class RunBook:
         self.on_move(self.status, note)
         return True
 
+    def fail(self, reason: str) -> None:
+        """The run cannot go on, whoever tries: nothing will resume it."""
+        self.status.failure = reason
+        self.move(RunState.FAILED, reason)
+
     def stop(self, reason: str) -> None:
         """Nobody trains until a person (or, below min_nodes, a free node) lets the run go on."""
         self.status.failure = reason
@@ -144,9 +149,8 @@ class RunBook:
             self._fold(status.interruptions.pop(0))
         status.generation += 1
         if verdict is not None:
-            status.failure = verdict
             interruption.actions.append(verdict)
-            self.move(RunState.FAILED, verdict)
+            self.fail(verdict)
         elif len(status.nodes) < self.spec.min_nodes:
             self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
 

@@ -37,6 +37,8 @@ def parse_seconds(value: object) -> float:
 
 
 Seconds = Annotated[float, BeforeValidator(parse_seconds)]
+# The collective backend the ranks run: each node agent refuses a launch its host cannot run.
+Backend = Literal["gloo", "nccl"]
 
 
 class _Spec(BaseModel):
@@ -160,7 +162,7 @@ class RunSpec(_Spec):
         description="The entrypoint uses training.supervision (step telemetry, control commands, stayalive "
         "checkpoints). False runs any torchrun script the way `torchrun --max-restarts` would.",
     )
-    backend: Literal["gloo", "nccl"] = "gloo"
+    backend: Backend = "gloo"
     target_step: int | None = Field(default=None, ge=1, description="Required with hooks; a plain script stops itself.")
     checkpoint: CheckpointSpec
     health: HealthSpec = HealthSpec()
@@ -222,6 +224,11 @@ class RunSpec(_Spec):
             raise ValueError(f"min_nodes {self.min_nodes} is more than the {len(self.nodes)} nodes listed: lower it")
         if self.hooks and self.target_step is None:
             raise ValueError("target_step is missing: a run with hooks trains to a target step (e.g. 1000)")
+        if self.backend == "nccl" and "training.train" in self.entrypoint:
+            raise ValueError(
+                "backend nccl with the built-in trainer: training.train runs its GPT on CPU under gloo. Set "
+                "backend to gloo, or give an entrypoint of your own that puts its model on the GPU LOCAL_RANK names"
+            )
         if overlap := set(self.nodes) & set(self.spare_nodes):
             raise ValueError(f"{sorted(overlap)} are listed in both nodes and spare_nodes: a spare is not in the group")
         for fault in self.faults:

@@ -249,9 +249,13 @@ async def fleet(args: argparse.Namespace) -> int:
 def dev(args: argparse.Namespace) -> int:
     if args.action == "up":
         address, ui = asyncio.run(ensure_stack(args.state_dir))
+        record = DevStack.recorded(args.state_dir)
         console.print(
-            f"Temporal at {address}; web UI {ui}; task queues: stayalive, " + ", ".join(f"node.{n}" for n in DEMO_NODES)
+            f"Temporal at {address}; web UI {ui}; /metrics at {record and record['metrics']}; "
+            f"node agents {', '.join(DEMO_NODES)}"
         )
+        if not address.endswith(":7233"):
+            console.print(f"7233 was taken: point the temporal CLI here with TEMPORAL_ADDRESS={address}")
     elif args.action == "down":
         stopped = DevStack.stop_recorded(args.state_dir)
         console.print(f"Stopped: {', '.join(stopped) or 'nothing was running'}")

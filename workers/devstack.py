@@ -37,9 +37,16 @@ def temporal_binary() -> str:
 
 
 def free_port() -> int:
+    """A port nothing listens on now (the OS's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_or_any(preferred: int) -> int:
+    """`preferred` if nothing listens there, else any free port: a second stack on the host must not
+    take the first one's ports (and kill its supervisor at start)."""
+    return free_port() if port_open(preferred) else preferred
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -58,13 +65,20 @@ class DevStack:
     nodes: list[str]
     spares: list[str] = field(default_factory=list)
     racks: dict[str, str] = field(default_factory=dict)  # node → rack (default rack-a)
-    port: int = 7233
-    ui_port: int | None = 8233
-    metrics_port: int = 9464  # the supervisor worker's /metrics
+    # 0: the well-known port (Temporal's 7233, its UI's 8233, Prometheus exporters' 9464) if it is free,
+    # else any free one; `stayalive dev status` says which. ui_port None: no web UI.
+    port: int = 0
+    ui_port: int | None = 0
+    metrics_port: int = 0  # the supervisor worker's /metrics
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_or_any(7233)
+        self.ui_port = None if self.ui_port is None else self.ui_port or free_or_any(8233)
+        self.metrics_port = self.metrics_port or free_or_any(9464)
 
     @property
     def address(self) -> str:
@@ -93,8 +107,10 @@ class DevStack:
         fleet = fleet_handle(client)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.check_alive()
             try:
-                if len(await fleet.query(FleetWorkflow.hubs, self.nodes)) == len(self.nodes):
+                hubs = await asyncio.wait_for(fleet.query(FleetWorkflow.hubs, self.nodes), timeout=5)
+                if len(hubs) == len(self.nodes):
                     return
             except Exception:  # the fleet workflow is being started by the first agent or the supervisor
                 pass
@@ -102,6 +118,14 @@ class DevStack:
         raise StackError(
             f"node agents did not all register with the fleet within {timeout:g}s; see {self._log('supervisor')}"
         )
+
+    def check_alive(self) -> None:
+        """Every process of the stack still runs; else say which one ended, and the end of its log."""
+        for name, process in self.processes.items():
+            if (code := process.poll()) is not None:
+                tail = self._log(name).read_text(errors="replace").strip().splitlines()[-5:]
+                said = "\n  ".join(tail) or "(its log is empty)"
+                raise StackError(f"{name} exited with status {code}; the end of {self._log(name)}:\n  {said}")
 
     def start_temporal(self, timeout: float = 30.0) -> None:
         if port_open(self.port):

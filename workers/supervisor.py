@@ -94,6 +94,15 @@ def activities(client: Client) -> list[Callable[..., Any]]:
 
 
 async def serve(address: str, namespace: str, metrics_port: int, metrics_host: str = "127.0.0.1") -> None:
+    # Bind first: a port in use must stop this process at start with the reason, before it polls.
+    exporter = Exporter()
+    try:
+        metrics_port = exporter.serve(metrics_port, host=metrics_host)
+    except OSError as exc:
+        raise SystemExit(
+            f"cannot serve /metrics on {metrics_host}:{metrics_port}: {exc.strerror}. Is another supervisor "
+            "running here? Pick a free port with --metrics-port (0: any free one)."
+        ) from exc
     client = await connect(address, namespace)
     worker = Worker(
         client,
@@ -106,8 +115,6 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
     await ensure_search_attributes(client)
     await ensure_fleet(client)
     await test_loader.start()
-    exporter = Exporter()
-    exporter.serve(metrics_port, host=metrics_host)
     metrics = asyncio.create_task(refresh(client, exporter))
     log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE, metrics_port=metrics_port)
     try:

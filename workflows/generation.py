@@ -126,6 +126,7 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
         generation=status.generation,
         nodes=status.nodes,
         ranks_per_node=spec.ranks_per_node,
+        backend=spec.backend,
         entrypoint=spec.entrypoint,
         env=env,
         rejoin=membership is not None,

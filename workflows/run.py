@@ -258,6 +258,10 @@ class RunWorkflow:
                 book.keep_interval(choice)  # the launch carries it
             launched = await calls.launch(generation.launch_request(book, self._checkpoint_seconds()))
             await self._file_pages()
+            if launched.refused:
+                refusals = "; ".join(launched.refused[node] for node in sorted(launched.refused))
+                book.fail(f"the launch was refused: {refusals}")
+                return None
             if not launched.started:
                 book.keep_survivors(None)  # held survivors may have been told to rejoin: start afresh
                 await self._restart(await incidents.unreachable(book, launched.unreachable))

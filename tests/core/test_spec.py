@@ -51,6 +51,8 @@ INVALID = [
     ("the retired max_restarts", {"max_restarts": 100}, "", "set failure_limit"),
     ("a failure limit of none", {"failure_limit": {"failures": 0}}, "failure_limit.failures", None),
     ("a failure window of none", {"failure_limit": {"window": "0s"}}, "failure_limit.window", None),
+    ("nccl with the CPU trainer", {"backend": "nccl"}, "", "Set backend to gloo"),
+    ("a backend torch has not", {"backend": "mpi"}, "backend", None),
 ]
 
 
@@ -67,6 +69,11 @@ def test_invalid_spec_names_the_field_and_the_fix(
     assert any(".".join(str(p) for p in e["loc"]).startswith(field) for e in errors), errors
     if hint is not None:
         assert hint in str(caught.value)
+
+
+def test_nccl_is_accepted_for_an_entrypoint_of_ones_own() -> None:
+    raw = valid() | {"backend": "nccl", "entrypoint": ["python", "my_train.py"]}
+    assert RunSpec.model_validate(raw).backend == "nccl"
 
 
 def test_hooks_off_needs_no_target_but_allows_no_faults() -> None:

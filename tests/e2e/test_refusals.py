@@ -1,0 +1,36 @@
+"""What a node cannot run is refused at launch, with the reason, and costs the fleet nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from temporalio.client import Client
+
+from core.run import RunState
+from core.spec import RunSpec
+from tests.helpers import ROOT, wait_for_fleet, workflow_id
+from workers.devstack import DevStack
+from workflows.run import RunWorkflow
+
+
+async def test_nccl_on_nodes_without_cuda_fails_at_launch_and_starts_no_rank(
+    client: Client, stack: DevStack, tmp_path: Path
+) -> None:
+    spec = json.loads((ROOT / "examples" / "plain-ddp.json").read_text())
+    spec |= {"backend": "nccl", "checkpoint": {"root": str(tmp_path)}}
+    handle = await client.start_workflow(
+        RunWorkflow.run, RunSpec.model_validate(spec), id=workflow_id("nccl"), task_queue="stayalive"
+    )
+    result = await handle.result()
+
+    assert result.state == RunState.FAILED
+    assert result.failure is not None
+    for node in ("n1", "n2"):
+        assert f"{node} cannot run backend nccl" in result.failure, result.failure
+    assert "use backend gloo" in result.failure
+    assert result.interruptions == [], "a refusal is not a node failure: nothing to restart, nobody quarantined"
+    assert not list(stack.state_dir.glob(f"nodes/*/runs/{result.run_id}/*/rank-*.log")), "no rank was started"
+    await wait_for_fleet(
+        client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2"))
+    )
