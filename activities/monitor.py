@@ -95,7 +95,7 @@ async def watch(input: MonitorInput, hubs: dict[str, str], beat: Heartbeat, hand
         reader=f"watch/g{input.generation}",
         generation=input.generation,
         packed_ranks=input.ranks_per_node if input.hooks else None,
-        only=None if input.hooks else ["exited"],
+        only=None if input.hooks else ["started", "exited"],  # a plain script says nothing itself
     )
     next_beat = next_tick = 0.0
     async with NodeStreams(subscribe, hubs, on_frame=seen.ingest.add) as streams:

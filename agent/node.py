@@ -145,7 +145,13 @@ class NodeAgent:
             for process in carried + started:
                 rejoined = process in carried
                 channel.append(
-                    RankStarted(rank=process.rank, generation=launch.generation, pid=process.pid, rejoined=rejoined)
+                    RankStarted(
+                        rank=process.rank,
+                        generation=launch.generation,
+                        pid=process.pid,
+                        rejoined=rejoined,
+                        at=time.time(),
+                    )
                 )
             return Started(pids={r.rank: r.pid for r in carried + started}, rejoined=[r.rank for r in carried])
 

@@ -42,6 +42,7 @@ class MonitorInput(BaseModel):
     resume_step: int = 0
     await_first_step: bool = False
     node_silence: float = 15.0  # a node agent silent this long is gone (HealthSpec.node_heartbeat_timeout)
+    exit_grace: float = 30.0  # the others' time to exit once a rank has finished (HealthSpec.exit_grace)
     # Detection: the progress watchdog, the straggler checks, and what is already known (not re-reported).
     step_timeout: float | None = None  # None: auto, 3 × p99 of step times with a floor
     straggler_sigma: float = 3.0
@@ -165,12 +166,15 @@ class NodeLost(BaseModel):
 
 
 class RanksFinished(BaseModel):
-    """Every rank of the generation exited cleanly."""
+    """Every rank of the generation exited cleanly, or some did and the rest outstayed the exit
+    grace (`lingering`: they are stopped with the run)."""
 
     kind: Literal["finished"] = "finished"
     generation: int
     last_step: int | None
     progress: Progress
+    lingering: list[int] = []
+    grace_s: float = 0.0
 
 
 # The signal that carries a CheckpointJudged from the run monitor's keeper to its RunWorkflow.

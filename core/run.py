@@ -65,12 +65,13 @@ class Interruption(BaseModel):
 
 
 class Detection(BaseModel):
-    """Something that interrupted nothing: a straggler (relative), a slowdown (absolute), or a step
-    whose update was skipped (a non-finite loss or gradient, a gradient spike)."""
+    """Something that interrupted nothing: a straggler (relative), a slowdown (absolute), a step
+    whose update was skipped (a non-finite loss or gradient, a gradient spike), or ranks that
+    lingered at exit after the run's work was done (stopped)."""
 
     at: datetime
     generation: int
-    kind: Literal["straggler", "slowdown", "nonfinite", "grad_spike"]
+    kind: Literal["straggler", "slowdown", "nonfinite", "grad_spike", "lingered"]
     step: int
     ratio: float | None = None  # how much slower (stragglers and slowdowns)
     node: str | None = None

@@ -16,12 +16,13 @@ from core.events import (
     CheckpointJudged,
     FirstStep,
     MonitorEvent,
+    RanksFinished,
     SlowdownFound,
     StragglerFound,
 )
 from core.eviction import Eviction
 from core.fleet import FailureRate
-from core.launch import Membership, without_node
+from core.launch import Membership, node_of, without_node
 from core.lifecycle import RunState, why
 from core.paging import PLANNED, Classification, PagingClass, classify, is_planned, over_limit
 from core.recovery import file_judged, mark_suspect, supersede
@@ -187,6 +188,23 @@ class RunBook:
         status.detection_counts[detection.kind] = status.detection_counts.get(detection.kind, 0) + 1
         status.detections.append(detection)
         del status.detections[:-DETECTIONS_KEPT]
+
+    def lingered(self, finished: RanksFinished, now: datetime) -> None:
+        """Ranks still running an exit grace after another finished: the run's release stops them."""
+        ranks = finished.lingering
+        shown = ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+        self.detect(
+            Detection(
+                at=now,
+                generation=finished.generation,
+                kind="lingered",
+                step=finished.progress.step,
+                rank=ranks[0],
+                node=node_of(self.status.nodes, self.spec.ranks_per_node, ranks[0]),
+                evidence=f"rank {shown} still running {finished.grace_s:g}s after the first rank finished",
+                actions=["stopped them and completed the run (health.exit_grace)"],
+            )
+        )
 
     def resumed(self, step: int) -> None:
         """The generation starting now resumes from `step`: the last interruption learns its cost."""

@@ -134,6 +134,10 @@ class HealthSpec(_Spec):
     slowness_tally: Seconds = 30.0
     # How long a node agent may stay silent before its node counts as dead.
     node_heartbeat_timeout: Seconds = 15.0
+    # Once a rank has finished (exited cleanly, or said it reached the target), how long the others
+    # have to exit. Those still running then are stopped and the run completes: a process that
+    # lingers after its work (stuck in a destructor at exit) must not hold a finished run open.
+    exit_grace: Seconds = Field(default=30.0, gt=0)
 
 
 class FailureLimit(_Spec):

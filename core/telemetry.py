@@ -171,6 +171,7 @@ class RankStarted(_Message):
     generation: int
     pid: int
     rejoined: bool = False
+    at: float = 0.0  # time.time() when the agent had the process
 
 
 RankMessage = Annotated[

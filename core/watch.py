@@ -35,7 +35,17 @@ from core.goodput import straggler_wait
 from core.launch import node_of
 from core.progress import CompletedStep, StepIngest
 from core.run import Progress
-from core.telemetry import Anomaly, Finished, GpuReport, Held, RankExited, RankMessage, Resumed, SdcCheck
+from core.telemetry import (
+    Anomaly,
+    Finished,
+    GpuReport,
+    Held,
+    RankExited,
+    RankMessage,
+    RankStarted,
+    Resumed,
+    SdcCheck,
+)
 
 # A rank that died of a lost peer waits this long past the silence timeout for the rank or node that
 # actually failed, whose own exit or silence names the culprit.
@@ -63,6 +73,9 @@ class GenerationWatch:
         self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
         self.next_tally = now + input.tally_s
         self.finished: set[int] = set()  # ranks that exited cleanly (or said they finished)
+        self.exited: set[int] = set()  # ranks whose process is gone
+        self.finished_since: float | None = None  # when the first rank finished: the exit grace runs from it
+        self.started: set[int] = set()  # a plain script's ranks whose process is up (it reports no steps)
         self.held: dict[int, int] = {}  # rank → the step it holds at
         self.witness: RankFailed | None = None  # a rank that died of a lost peer, and until when it waits
         self.witness_until = 0.0
@@ -81,10 +94,12 @@ class GenerationWatch:
             return None
         elif isinstance(message, RankExited):
             return self._exited(node, message, now)
+        elif isinstance(message, RankStarted):
+            return self._started(message)
         elif isinstance(message, Resumed):
             self.restored_from = message.source
         elif isinstance(message, Finished):
-            self.finished.add(message.rank)
+            self._finished(message.rank, now)
         elif isinstance(message, Held):
             self.held[message.rank] = message.step
         elif isinstance(message, SdcCheck) and not message.passed:
@@ -120,9 +135,11 @@ class GenerationWatch:
                 )
         if self.witness is not None and now >= self.witness_until:
             return self.witness
+        if self.finished_since is not None:
+            return self._lingered(now)
         if len(self.held) >= self.input.world_size:
             return None  # every rank holds: no step is due
-        if self.input.hooks and len(self.finished) < self.input.world_size and self.watchdog.overdue(wall):
+        if self.input.hooks and self.watchdog.overdue(wall):
             stalled = wall - (self.watchdog.last_progress_at or wall)
             return Hang(
                 step=self.ingest.summary().step,
@@ -165,9 +182,40 @@ class GenerationWatch:
 
     # -- how it ends ---------------------------------------------------------------------------
 
+    def _started(self, started: RankStarted) -> FirstStep | None:
+        """A plain script reports no steps: its generation runs once every rank's process is up."""
+        if self.input.hooks or not self.await_first_step:
+            return None
+        self.started.add(started.rank)
+        if len(self.started) < self.input.world_size:
+            return None
+        return FirstStep(step=self.input.resume_step, at=started.at, progress=self.summary())
+
+    def _finished(self, rank: int, now: float) -> None:
+        self.finished.add(rank)
+        if self.finished_since is None:
+            self.finished_since = now
+
+    def _lingered(self, now: float) -> RanksFinished | None:
+        """Some rank has finished: once the exit grace is over, whoever is still running lingers."""
+        grace = self.input.exit_grace
+        if self.finished_since is None or now - self.finished_since < grace:
+            return None
+        lingering = sorted(set(range(self.input.world_size)) - self.exited)
+        return RanksFinished(
+            generation=self.input.generation,
+            last_step=None,
+            progress=self.summary(),
+            lingering=lingering,
+            grace_s=grace,
+        )
+
     def _exited(self, node: str, exited: RankExited, now: float) -> MonitorEvent | None:
-        if exited.exit_code == 0:
-            self.finished.add(exited.rank)
+        self.exited.add(exited.rank)
+        # A rank that said it finished did its work, however it leaves: an abort at exit must not
+        # restart a finished run (FIELD-NOTES: torchrun restarts it).
+        if exited.exit_code == 0 or exited.rank in self.finished:
+            self._finished(exited.rank, now)
             if len(self.finished) >= self.input.world_size:
                 return RanksFinished(
                     generation=self.input.generation, last_step=exited.last_step, progress=self.summary()

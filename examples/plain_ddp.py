@@ -54,12 +54,6 @@ def main() -> None:
             os.replace(tmp, args.checkpoint_dir / f"step-{step:06d}.pt")
         dist.barrier()  # every rank has seen the checkpoint before anyone moves on
     print(f"rank {rank}: done at step {args.steps}", flush=True)
-    # Drop DDP before the process group. Freed last, DDP's reducer destroys the gloo group while
-    # holding the GIL and joins its worker threads, and a worker still freeing the last all-reduce
-    # needs the GIL for the autograd context stashed in its thread state (torch 2.13; a race of the
-    # kind pytorch/pytorch#180700 describes): the rank hangs after its last step. The group's own
-    # destructor releases the GIL.
-    del model
     dist.destroy_process_group()
 
 

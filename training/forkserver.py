@@ -1,15 +1,14 @@
 """The warm fork server a node agent starts its ranks from: `python -m training.forkserver`.
 
 After a crash every rank restarts, and most of a restart is not training: Python start-up and
-`import torch` (and torch._dynamo, which a process's first optimizer step imports) take seconds of
-CPU per process (see FIELD-NOTES). The fork server pays for that once per node: it imports what a
-rank imports, says `ready`, then forks one child per launch request it reads on stdin (one JSON line
-each). The child becomes the rank: its stdout and stderr go to the rank's log, its environment,
-argv, cwd and sys.path become what a cold `python -m module ...` or `python script.py ...` would
-have had, and the entrypoint runs in-process through runpy, then the interpreter exits the way a
-cold one does (atexit, threads joined, the exit status of the script). Everything is pre-warmed
-except the weights (seed 003 R4), and no rank pays for another's warm-up: a fork shares the
-server's imported pages instead of importing them again.
+`import torch` take seconds of CPU per process (see FIELD-NOTES). The fork server pays for that
+once per node: it imports what a rank imports, says `ready`, then forks one child per launch
+request it reads on stdin (one JSON line each). The child becomes the rank: its stdout and stderr
+go to the rank's log, its environment, argv, cwd and sys.path become what a cold `python -m
+module ...` or `python script.py ...` would have had, and the entrypoint runs in-process through
+runpy, then the interpreter exits the way a cold one does (atexit, threads joined, the exit status
+of the script). Everything is pre-warmed except the weights (seed 003 R4), and no rank pays for
+another's warm-up: a fork shares the server's imported pages instead of importing them again.
 
 The server reports on stdout, one line each: `ready`, `started SEQ PID` (or `failed SEQ REASON`) per
 request, and `exited PID CODE` when a child it forked exits (CODE as asyncio reports it: -N for
@@ -50,8 +49,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 # What a rank of stayalive's trainer imports; a foreign script still gains torch and torch.distributed.
-# torch._dynamo is what a process's first optimizer step would import (~1-3 s).
-WARM_MODULES = ("torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "training.train")
+# Not torch._dynamo, though a process's first optimizer step imports it (0.8 s of CPU): imported
+# before a script's first step, it made a tutorial-shaped DDP script (its model freed after
+# destroy_process_group) hang at exit in 2-5 runs of 6, cold processes as well as forked ones, and
+# never without it (torch 2.13, gloo: ~ProcessGroupGloo joins a worker that waits for the GIL).
+WARM_MODULES = ("torch", "torch.distributed", "safetensors.torch", "training.train")
 _PR_SET_PDEATHSIG = 1
 
 # Read once, when the interpreter or torch starts up (prefixes); TORCHELASTIC_* is read at

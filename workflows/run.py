@@ -290,7 +290,7 @@ class RunWorkflow:
             book.reattach()
             gen.end()
         elif isinstance(ending, RanksFinished):
-            await self._finish(gen)
+            await self._finish(gen, ending)
         elif isinstance(ending, RankFailed | NodeLost):
             gen.end()
             await self._restart(await incidents.failure(book, ending))
@@ -325,9 +325,12 @@ class RunWorkflow:
         for page in pages:
             await calls.send_page(page)
 
-    async def _finish(self, gen: Generation) -> None:
-        """Every rank exited cleanly. Done only once the final checkpoint is judged valid."""
+    async def _finish(self, gen: Generation, finished: RanksFinished) -> None:
+        """Every rank exited cleanly (or some did and the rest lingered: the release stops them).
+        Done only once the final checkpoint is judged valid."""
         book = self.book
+        if finished.lingering:
+            book.lingered(finished, workflow.now())
         target = book.spec.target_step
         if not book.spec.hooks or target is None:
             gen.end()

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-WARM_AT_ENTRY = "torch._dynamo" in sys.modules  # only a forked rank has it before this line runs
+WARM_AT_ENTRY = "torch.distributed" in sys.modules  # only a forked rank has it before this line runs
 
 import torch  # noqa: E402
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.events import MonitorInput, NodeLost, RankFailed, RanksFinished
-from core.telemetry import Held, NodeSteps, RankExited, pack_steps
+from core.events import FirstStep, Hang, MonitorInput, NodeLost, RankFailed, RanksFinished
+from core.telemetry import Finished, Held, NodeSteps, RankExited, RankStarted, pack_steps
 from core.watch import WITNESS_GRACE_S, GenerationWatch
 
 NODES = ["a", "b", "c"]
@@ -65,6 +65,58 @@ def test_every_rank_exiting_cleanly_finishes_the_generation() -> None:
     seen = watch()
     events = [seen.record(NODES[r // 2], exited(r, 0), now=1.0) for r in range(6)]
     assert events[:5] == [None] * 5 and isinstance(events[5], RanksFinished)
+
+
+GRACE = 30.0
+
+
+@pytest.mark.parametrize(
+    ("hooks", "first"),
+    [
+        (False, exited(0, 0)),  # a plain script: a clean exit is all it says
+        (True, Finished(rank=0, generation=2, step=40)),  # hooks: the rank says it reached the target
+    ],
+)
+def test_ranks_that_linger_after_one_finished_are_named_once_the_exit_grace_is_over(
+    hooks: bool, first: RankExited | Finished
+) -> None:
+    seen = watch(hooks=hooks, exit_grace=GRACE, step_timeout=5.0)
+    assert seen.record("a", first, now=10.0) is None
+    assert seen.record("a", exited(1, 0), now=11.0) is None
+    for node in NODES:
+        seen.heard_from(node, 10.0 + GRACE)
+    # No hang either: the steps ended because the work did, long past the 5 s step timeout.
+    assert seen.tick(10.0 + GRACE - 0.1, wall=2000.0) is None
+    ended = seen.tick(10.0 + GRACE, wall=2000.0)
+    assert isinstance(ended, RanksFinished)
+    assert ended.lingering == ([2, 3, 4, 5] if not hooks else [0, 2, 3, 4, 5])
+    assert ended.grace_s == GRACE
+
+
+def test_a_rank_that_finished_and_then_aborts_at_exit_does_not_restart_the_run() -> None:
+    seen = watch()
+    for rank in range(6):
+        seen.record(NODES[rank // 2], Finished(rank=rank, generation=2, step=40), now=1.0)
+    ended = seen.record("c", exited(5, 134, "Aborted (core dumped)"), now=2.0)
+    assert isinstance(ended, RanksFinished) and ended.lingering == []
+
+
+def test_a_plain_scripts_generation_runs_once_every_rank_process_is_up() -> None:
+    seen = watch(hooks=False, await_first_step=True, resume_step=0)
+    started = [RankStarted(rank=r, generation=2, pid=100 + r, at=1000.0 + r) for r in range(6)]
+    events = [seen.record(NODES[s.rank // 2], s, now=1.0) for s in started]
+    assert events[:5] == [None] * 5
+    first = events[5]
+    assert isinstance(first, FirstStep) and first.at == 1005.0 and first.step == 0
+    seen.reported(first, now=1.0)
+    assert seen.record("a", RankStarted(rank=0, generation=2, pid=99, at=1010.0), now=2.0) is None
+
+
+def test_a_hang_is_still_a_hang_while_no_rank_has_finished() -> None:
+    seen = watch(step_timeout=5.0)
+    for node in NODES:
+        seen.heard_from(node, 6.0)
+    assert isinstance(seen.tick(6.0, wall=1006.0), Hang)
 
 
 def test_records_of_another_generation_are_no_news() -> None:
