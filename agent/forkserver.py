@@ -1,5 +1,6 @@
-"""The node agent's side of the warm fork server (training/forkserver.py): it keeps one server
-running, asks it for ranks, and turns its reports into RankProcess exits.
+"""The node agent's side of the warm fork servers (training/forkserver.py): it keeps one server per
+kind of entrypoint running (stayalive's trainer, warm at once; any other script, started when the
+first one comes), asks them for ranks, and turns their reports into RankProcess exits.
 
 A forked rank is the server's child, not the agent's, so the agent learns its exit from the
 server's `exited PID CODE` line instead of waitpid; stopping it works as for a cold rank (signals
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import structlog
 
 from agent.processes import RankProcess, spawn
-from training.forkserver import Assignment, unfit
+from training.forkserver import Assignment, profile_for, unfit
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -32,11 +33,38 @@ WARM_TIMEOUT_S = 180.0  # a server not warm by then is broken (or the host is): 
 RETRY_AFTER_S = 30.0  # after a server died warming up: do not spin on a broken interpreter or module
 
 
+class ForkServers:
+    """One warm server per kind of entrypoint; a rank is forked from the one for its kind."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.servers: dict[str, ForkServer] = {}
+
+    def start(self) -> None:
+        self.server("trainer")  # what most runs start: warm before the first launch
+
+    def server(self, profile: str) -> ForkServer:
+        if profile not in self.servers:
+            self.servers[profile] = ForkServer(self.log_dir, profile)
+            self.servers[profile].start()
+        return self.servers[profile]
+
+    async def start_rank(
+        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path
+    ) -> RankProcess | None:
+        return await self.server(profile_for(argv)).start_rank(rank, generation, argv, env, log_path)
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.close()
+
+
 class ForkServer:
-    def __init__(self, log_dir: Path, retry_after: float = RETRY_AFTER_S) -> None:
-        self.log_path = log_dir / "forkserver.log"  # the server's own output; a rank writes to its log
+    def __init__(self, log_dir: Path, profile: str = "trainer", retry_after: float = RETRY_AFTER_S) -> None:
+        self.profile = profile
+        self.log_path = log_dir / f"forkserver-{profile}.log"  # the server's own output; a rank writes to its log
         self.retry_after = retry_after
-        self.env: dict[str, str] = {}  # the environment the server started with: what `import torch` read
+        self.env = dict(os.environ)  # the environment the server starts with: what `import torch` read
         self.process: asyncio.subprocess.Process | None = None
         self._ready = asyncio.Event()
         # request seq: the child's pid and its exit status, settled together, as `started` is read (its
@@ -128,7 +156,7 @@ class ForkServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ)
         with open(self.log_path, "ab") as log_file:
-            argv = [sys.executable, "-m", "training.forkserver"]
+            argv = [sys.executable, "-m", "training.forkserver", self.profile]
             self.process = await spawn(
                 argv, self.env, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE, stderr=log_file
             )

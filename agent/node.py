@@ -23,7 +23,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from agent.forkserver import ForkServer
+from agent.forkserver import ForkServers
 from agent.gpu import GpuTelemetry
 from agent.hub import NodeHub
 from agent.processes import RankProcess, start_rank, stop_ranks
@@ -84,7 +84,7 @@ def resolve_argv(argv: list[str]) -> list[str]:
 
 
 class NodeAgent:
-    def __init__(self, node: str, hub: NodeHub, state_dir: Path, forks: ForkServer | None = None) -> None:
+    def __init__(self, node: str, hub: NodeHub, state_dir: Path, forks: ForkServers | None = None) -> None:
         self.node = node
         self.forks = forks  # the warm process fresh ranks are forked from (agent/forkserver.py)
         self.hub = hub

@@ -48,12 +48,17 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-# What a rank of stayalive's trainer imports; a foreign script still gains torch and torch.distributed.
-# Not torch._dynamo, though a process's first optimizer step imports it (0.8 s of CPU): imported
-# before a script's first step, it made a tutorial-shaped DDP script (its model freed after
-# destroy_process_group) hang at exit in 2-5 runs of 6, cold processes as well as forked ones, and
-# never without it (torch 2.13, gloo: ~ProcessGroupGloo joins a worker that waits for the GIL).
-WARM_MODULES = ("torch", "torch.distributed", "safetensors.torch", "training.train")
+# What a rank imports, by the kind of entrypoint: one server per kind (agent/forkserver.py).
+# stayalive's trainer also gets torch._dynamo, which a process's first optimizer step imports (0.8 s
+# of CPU). A foreign script does not: imported before its first step, torch._dynamo made a
+# tutorial-shaped DDP script (its model freed after destroy_process_group) hang at exit in 2-5 runs
+# of 6, cold processes as well as forked ones, and never without it (torch 2.13, gloo:
+# ~ProcessGroupGloo joins a worker that waits for the GIL). The trainer leaves with os._exit.
+PROFILES = {
+    "trainer": ("torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "training.train"),
+    "script": ("torch", "torch.distributed"),
+}
+TRAINER_MODULE = "training.train"
 _PR_SET_PDEATHSIG = 1
 
 # Read once, when the interpreter or torch starts up (prefixes); TORCHELASTIC_* is read at
@@ -105,6 +110,12 @@ def entrypoint(argv: list[str]) -> Entrypoint | None:
     return None
 
 
+def profile_for(argv: list[str]) -> str:
+    """Which warm server forks this entrypoint: stayalive's trainer, or any other script."""
+    target = entrypoint(argv)
+    return "trainer" if target is not None and target.module == TRAINER_MODULE else "script"
+
+
 def unfit(argv: list[str], server_env: dict[str, str], env: dict[str, str]) -> str | None:
     """Why a fork server started with `server_env` cannot run this launch; None when it can."""
     if entrypoint(argv) is None:
@@ -119,9 +130,10 @@ def unfit(argv: list[str], server_env: dict[str, str], env: dict[str, str]) -> s
     return None
 
 
-def warm() -> None:
-    """Import what a rank imports; run nothing (see the module's docstring: no thread pool to fork)."""
-    for name in WARM_MODULES:
+def warm(profile: str) -> None:
+    """Import what a rank of this kind imports; run nothing (see the module's docstring: no thread
+    pool to fork)."""
+    for name in PROFILES[profile]:
         importlib.import_module(name)
 
 
@@ -227,9 +239,10 @@ def _say(report: int, line: str) -> None:
 
 
 def main() -> None:
+    profile = sys.argv[1] if len(sys.argv) > 1 else "trainer"
     report = os.dup(1)  # the protocol's own descriptor; anything an import prints goes to the log
     os.dup2(2, 1)
-    warm()
+    warm(profile)
     # What the server imported is shared by every child until written to; a child's first full
     # collection would write to every object's header and copy all of it. Frozen, the GC skips them.
     gc.freeze()

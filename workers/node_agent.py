@@ -23,7 +23,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.fleet import FleetClient, FleetRefused
-from agent.forkserver import ForkServer
+from agent.forkserver import ForkServers
 from agent.gpu import gpu_telemetry
 from agent.hub import NodeHub
 from agent.node import NodeAgent
@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
     await hub.start()
     node_dir = args.state_dir / "nodes" / args.node
-    forks = ForkServer(node_dir) if args.fork_server else None
+    forks = ForkServers(node_dir) if args.fork_server else None
     if forks is not None:
         forks.start()
     agent = NodeAgent(args.node, hub, node_dir, forks)

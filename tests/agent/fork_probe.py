@@ -9,6 +9,7 @@ import sys
 import time
 
 WARM_AT_ENTRY = "torch.distributed" in sys.modules  # only a forked rank has it before this line runs
+DYNAMO_AT_ENTRY = "torch._dynamo" in sys.modules  # only one forked from the trainer's server has it
 
 import torch  # noqa: E402
 
@@ -22,6 +23,7 @@ report = {
     "argv": sys.argv[1:],
     "name": __name__,
     "warm": WARM_AT_ENTRY,
+    "dynamo": DYNAMO_AT_ENTRY,
     "pid": os.getpid(),
     "rank": os.environ.get("RANK"),
     "leftover": os.environ.get("FORK_PROBE_LEFTOVER"),

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from agent.forkserver import ForkServer
+from agent.forkserver import ForkServer, ForkServers
 from agent.processes import RankProcess, start_rank, stop_ranks
 from tests.helpers import ROOT
+from training.forkserver import profile_for
 from workers.devstack import process_alive
 
 PROBE = ROOT / "tests" / "agent" / "fork_probe.py"
@@ -204,3 +205,32 @@ async def test_closing_the_server_stops_it_and_what_it_runs(
     assert not process_alive(pid)
     await asyncio.wait_for(rank.waiter, 30)
     assert rank.exit_code == 128 + 9
+
+
+@pytest.mark.parametrize(
+    ("argv", "profile"),
+    [
+        ([sys.executable, "-m", "training.train", "--preset", "tiny"], "trainer"),
+        ([sys.executable, "-m", "tests.agent.fork_probe"], "script"),
+        ([sys.executable, "examples/tutorial_ddp.py", "--epochs", "2"], "script"),
+    ],
+)
+def test_stayalives_trainer_and_other_scripts_fork_from_servers_of_their_own(argv: list[str], profile: str) -> None:
+    assert profile_for(argv) == profile
+
+
+async def test_a_foreign_script_is_forked_from_a_server_without_torch_dynamo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch._dynamo imported ahead of a DDP script made it hang at exit (training/forkserver.py)."""
+    monkeypatch.chdir(ROOT)
+    forks = ForkServers(tmp_path / "agent")
+    forks.start()
+    try:
+        rank = await forks.start_rank(0, 0, [*MODULE, "0"], {"RANK": "0"}, tmp_path / "rank-0.log")
+        assert rank is not None and await rank.waiter == 0
+        seen = report(rank)
+        assert seen["warm"] is True and seen["dynamo"] is False
+        assert sorted(forks.servers) == ["script", "trainer"]
+    finally:
+        await forks.close()
