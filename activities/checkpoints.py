@@ -36,6 +36,8 @@ from training.validate import TestLoad
 
 log = structlog.get_logger()
 
+STORAGE_RETRY_S = 2.0  # while storage is away, a verdict is tried again this often
+
 
 class Verdict(BaseModel):
     validated: bool
@@ -90,13 +92,19 @@ class _Loader:
 test_loader = _Loader()
 
 
-async def validate(root: str, path: str, reference: CheckpointRecord | None, heartbeat: Callable[[], None]) -> Verdict:
-    """All shards present, digests match, a test load in another process, norms within the run's band."""
+async def validate(
+    root: str, path: str, reference: CheckpointRecord | None, heartbeat: Callable[[], None]
+) -> Verdict | None:
+    """All shards present, digests match, a test load in another process, norms within the run's band.
+    None while storage is away (the run's directory is unreachable): no verdict, try again later. A
+    checkpoint judged invalid because storage could not be read would never be resumed from."""
     try:
         directory = within_root(root, path)
     except CheckpointError as exc:
         return Verdict(validated=False, reason=str(exc))
     result = await test_loader.test_load(directory, heartbeat)
+    if not result.ok and not await asyncio.to_thread(directory.parent.is_dir):
+        return None
     if not result.ok:
         return Verdict(validated=False, reason="; ".join(result.problems))
     history = [reference] if reference is not None else []
@@ -208,7 +216,10 @@ async def keep_checkpoints(
 async def judge(
     run_id: str, root: str, message: CheckpointCommitted, reference: CheckpointRecord | None, beat: Heartbeat
 ) -> CheckpointRecord:
-    verdict = await validate(root, message.path, reference, beat)
+    """Validate a committed checkpoint, waiting as long as storage is away (the watch loop heartbeats)."""
+    while (verdict := await validate(root, message.path, reference, beat)) is None:
+        log.warning("checkpoint storage unreachable: the verdict waits for it", run_id=run_id, step=message.step)
+        await asyncio.sleep(STORAGE_RETRY_S)
     log.info("checkpoint judged", run_id=run_id, step=message.step, validated=verdict.validated)
     return CheckpointRecord(
         step=message.step,
@@ -241,7 +252,8 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
                 shutil.rmtree(entry, ignore_errors=True)
             continue
         verdict = await validate(input.root, str(entry), input.reference, heartbeat=lambda: None)  # a local activity
-        found.append(_record(entry, step, generation, verdict))
+        if verdict is not None:  # storage went away: a later restart judges it
+            found.append(_record(entry, step, generation, verdict))
     return found
 
 

@@ -36,6 +36,7 @@ from core.events import (
     RankFailed,
     SdcDetected,
 )
+from core.run import Outage
 from core.telemetry import Subscribe
 from core.watch import GenerationWatch
 
@@ -56,6 +57,7 @@ def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
             "known_stragglers": [int(r) for r in known["known_stragglers"]],
             "slowdown_known": bool(known["slowdown_known"]),
             "await_first_step": bool(known["await_first_step"]),
+            "storage_outage": Outage.model_validate(outage) if (outage := known.get("storage_outage")) else None,
         }
     )
 

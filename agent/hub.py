@@ -40,7 +40,7 @@ from core.telemetry import (
     rank_message,
 )
 from training.checkpoint import CheckpointError
-from training.memory import memory_path, prune
+from training.memory import memory_path
 
 log = structlog.get_logger()
 
@@ -144,8 +144,7 @@ class NodeHub:
                 chunk = await reader.readexactly(min(remaining, 1 << 22))
                 await asyncio.to_thread(f.write, chunk)
                 remaining -= len(chunk)
-        tmp.rename(path)
-        prune(self.memory_dir, put.run_id)
+        tmp.rename(path)  # the node's ranks prune the tier: they know which checkpoint storage holds whole
 
     async def _serve_file(self, get: GetFile, writer: asyncio.StreamWriter) -> None:
         path = memory_path(self.memory_dir, get.run_id, get.checkpoint, get.file)

@@ -10,7 +10,8 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, Field
 
 from core.diagnosis import Verdict
-from core.run import CheckpointRecord, Progress
+from core.paging import Classification
+from core.run import CheckpointRecord, Outage, Progress
 from core.telemetry import Anomaly, SdcCheck
 
 # What a rank prints when a collective failed because a peer went away: it died of someone else's
@@ -53,6 +54,7 @@ class MonitorInput(BaseModel):
     healthy_windows: int = 10  # report this many healthy window medians at a time (for the baseline)
     tally_s: float = 30.0  # how often a known straggler's or slowdown's cost is reported (SlownessTally)
     keeper: KeeperInput | None = None  # judge the generation's checkpoints too
+    storage_outage: Outage | None = None  # storage was away when the generation started (until a commit)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +137,23 @@ class AnomalyFound(BaseModel):
     kind: Literal["anomaly"] = "anomaly"
     anomaly: Anomaly
     progress: Progress
+
+
+class StorageOutage(BaseModel):
+    """Checkpoint storage is away and training goes on: a rank's write failed (`began`), the outage
+    outlasted paging's bound (`lasting`, with the page), or a checkpoint committed again (`over`)."""
+
+    kind: Literal["storage"] = "storage"
+    phase: Literal["began", "lasting", "over"]
+    outage: Outage
+    at: float  # when this phase was seen (seconds since the epoch)
+    landed_step: int | None = None  # over: the checkpoint whose commit ended it
+    paging: Classification | None = None  # lasting
+    progress: Progress
+
+    @property
+    def lasted_s(self) -> float:
+        return max(0.0, self.at - self.outage.since)
 
 
 class RankFailed(BaseModel):
@@ -220,6 +239,7 @@ MonitorEvent = Annotated[
         SlownessTally,
         SdcDetected,
         AnomalyFound,
+        StorageOutage,
         RankFailed,
         NodeLost,
         RanksFinished,

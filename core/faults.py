@@ -144,6 +144,33 @@ class CorruptCheckpoint(_Fault):
         return f"{self.damage.replace('_', ' ')} in the checkpoint of step {self.at_step}"
 
 
+class _StorageFault(_Fault):
+    """Checkpoint storage fails for `seconds`, from the moment half of the shard of `at_step` is written."""
+
+    at_step: int = Field(ge=1)
+    seconds: float = Field(gt=0.0)
+
+
+class StorageOutage(_StorageFault):
+    """The run's checkpoint directory is unreachable (a dropped mount): every path under it fails
+    with ENOENT for every process, the supervisor's validation included. Rank 0's writer takes it
+    away and brings it back: the directory is shared, so one process must."""
+
+    kind: Literal["storage_outage"] = "storage_outage"
+
+    def __str__(self) -> str:
+        return f"checkpoint storage unreachable for {self.seconds:g}s from step {self.at_step}"
+
+
+class DiskFull(_StorageFault):
+    """Storage is full: every write of a checkpoint file fails with ENOSPC, on every rank; reads work."""
+
+    kind: Literal["disk_full"] = "disk_full"
+
+    def __str__(self) -> str:
+        return f"checkpoint storage full for {self.seconds:g}s from step {self.at_step}"
+
+
 class BrokenNode(_Fault):
     """The node's hardware is bad in a way its self-test sees: the GEMM unit returns a wrong element,
     or its collectives a wrong value. It stays bad for the rest of the node agent's life."""
@@ -265,6 +292,8 @@ Fault = Annotated[
         NanLoss,
         GradSpike,
         CorruptCheckpoint,
+        StorageOutage,
+        DiskFull,
         BrokenNode,
         ThermalThrottle,
         HotAmbient,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
@@ -35,6 +35,8 @@ class Health(BaseModel):
     mtbf_s: float  # M: the run's MTBF so far, with the fleet's prior (core.interval.run_mtbf)
     verified_step: int  # the SDC watermark: the newest step at which a check passed
     skipped_updates: int  # steps whose update was skipped (a non-finite loss or gradient, a gradient spike)
+    # Checkpoint storage away since then (None: it is not): checkpoints are in host memory only.
+    storage_unavailable_since: datetime | None
 
     @classmethod
     def of(cls, status: RunStatus, now: datetime, checkpoint_interval_s: float | None) -> Health:
@@ -63,6 +65,9 @@ class Health(BaseModel):
             mtbf_s=run_mtbf(status, now),
             verified_step=status.verified_step,
             skipped_updates=sum(status.detection_counts.get(kind, 0) for kind in ("nonfinite", "grad_spike")),
+            storage_unavailable_since=datetime.fromtimestamp(outage.since, UTC)
+            if (outage := status.storage_outage)
+            else None,
         )
 
 
@@ -79,9 +84,17 @@ def health_table(status: RunStatus, note: str = "") -> str:
         ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
         ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
         ("verified (SDC checks)", f"to step {status.verified_step}"),
+        ("checkpoint storage", _storage(status)),
         ("interruptions", count),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _storage(status: RunStatus) -> str:
+    if (outage := status.storage_outage) is None:
+        return "ok"
+    since = datetime.fromtimestamp(outage.since, UTC).strftime("%H:%M:%S UTC")
+    return f"**unavailable** since {since} ({outage.error}): checkpoints are in host memory only"
 
 
 def listing(names: list[str], most: int = 8) -> str:

@@ -157,6 +157,35 @@ def environmental(ratio: float, evidence: str) -> Classification:
     )
 
 
+# Storage is away: training goes on and checkpoints stay in host memory (seed 003 §8: halting would
+# turn a storage incident into a training incident), but validation reads storage, so the newest
+# resumable checkpoint stays the last one before the outage and a failure loses all the work since.
+# Past this many checkpoint intervals that is more than a routine failure costs, and a person's to fix.
+STORAGE_OUTAGE_INTERVALS = 3.0
+
+
+def storage_outage(lasted_s: float, interval_s: float, error: str) -> Classification:
+    """A storage outage that has lasted `lasted_s`, at a checkpoint interval of `interval_s`:
+    CORRELATED (a person) past STORAGE_OUTAGE_INTERVALS intervals, INDEPENDENT (recorded) before
+    that, and while the interval is not known yet (no step time measured)."""
+    intervals = lasted_s / interval_s if interval_s > 0 else 0.0
+    if intervals <= STORAGE_OUTAGE_INTERVALS:
+        return Classification(
+            paging=PagingClass.INDEPENDENT,
+            rule="storage outage",
+            evidence=f"checkpoint storage unavailable for {lasted_s:.0f}s: {error}",
+            action="none yet: checkpoints stay in host memory and the write is retried",
+        )
+    return Classification(
+        paging=PagingClass.CORRELATED,
+        rule="storage outage",
+        evidence=f"checkpoint storage unavailable for {lasted_s:.0f}s, {intervals:.1f} checkpoint intervals "
+        f"(the bound is {STORAGE_OUTAGE_INTERVALS:g}): {error}",
+        action="bring checkpoint storage back: training goes on with its checkpoints in host memory only, and a "
+        "failure now rolls back to the last checkpoint before the outage",
+    )
+
+
 class Page(BaseModel):
     run_id: str
     at: datetime

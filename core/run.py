@@ -66,12 +66,12 @@ class Interruption(BaseModel):
 
 class Detection(BaseModel):
     """Something that interrupted nothing: a straggler (relative), a slowdown (absolute), a step
-    whose update was skipped (a non-finite loss or gradient, a gradient spike), or ranks that
-    lingered at exit after the run's work was done (stopped)."""
+    whose update was skipped (a non-finite loss or gradient, a gradient spike), checkpoint storage
+    that went away, or ranks that lingered at exit after the run's work was done (stopped)."""
 
     at: datetime
     generation: int
-    kind: Literal["straggler", "slowdown", "nonfinite", "grad_spike", "lingered"]
+    kind: Literal["straggler", "slowdown", "nonfinite", "grad_spike", "storage_outage", "lingered"]
     step: int
     ratio: float | None = None  # how much slower (stragglers and slowdowns)
     node: str | None = None
@@ -80,6 +80,16 @@ class Detection(BaseModel):
     evidence: Text = ""
     actions: list[Text] = []
     paging: Classification | None = None
+
+
+class Outage(BaseModel):
+    """Checkpoint storage the ranks cannot write to, from the first failure the run monitor heard of
+    until a checkpoint commits again. Meanwhile checkpoints live in host memory only."""
+
+    since: float  # seconds since the epoch
+    error: str
+    step: int  # the checkpoint whose write failed first
+    paged: bool = False  # it lasted past paging's bound (core.paging.storage_outage) and a person was paged
 
 
 class CheckpointRecord(BaseModel):
@@ -216,6 +226,7 @@ class RunStatus(BaseModel):
     exposure_reported_at: datetime | None = None
     idle_reported_s: float = 0.0
     verified_step: int = 0  # the SDC watermark: the newest step at which a check passed, as checkpoints reported
+    storage_outage: Outage | None = None  # checkpoint storage is away (across generations, until a commit)
     command_seq: int = 0
     failure: str = ""
 

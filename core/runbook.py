@@ -18,6 +18,7 @@ from core.events import (
     MonitorEvent,
     RanksFinished,
     SlowdownFound,
+    StorageOutage,
     StragglerFound,
 )
 from core.eviction import Eviction
@@ -106,9 +107,11 @@ class RunBook:
         """The next workflow segment watches the ranks that are running, without launching."""
         self.status.reattach = True
 
-    def complete(self, step: int) -> None:
-        """Every rank reached the target step and its checkpoint is valid."""
+    def complete(self, step: int, now: datetime) -> None:
+        """Every rank reached the target step and its checkpoint is valid: on storage, so storage that
+        was away is back (its last ranks may exit before the monitor reads the commit that said so)."""
         self.status.progress.step = step
+        self._storage_back(step, now.timestamp())
         self.move(RunState.COMPLETED)
 
     def finish(self, now: datetime) -> None:
@@ -205,6 +208,49 @@ class RunBook:
                 actions=["stopped them and completed the run (health.exit_grace)"],
             )
         )
+
+    def storage(self, event: StorageOutage) -> Classification | None:
+        """Checkpoint storage went away, stayed away, or came back: one detection per outage, however
+        many generations it spans. Returns the page to send when it has outlasted paging's bound."""
+        status = self.status
+        if event.phase == "began":
+            if status.storage_outage is None:
+                status.storage_outage = event.outage
+                self.detect(
+                    Detection(
+                        at=datetime.fromtimestamp(event.outage.since, UTC),
+                        generation=status.generation,
+                        kind="storage_outage",
+                        step=event.outage.step,
+                        evidence=event.outage.error,
+                        actions=["training goes on: checkpoints stay in host memory (this node's and a replica's)"],
+                    )
+                )
+            return None
+        if event.phase == "lasting":
+            if status.storage_outage is None or status.storage_outage.paged:
+                return None  # over already, or a monitor restarted from an older place found it again
+            status.storage_outage = event.outage
+            if (ongoing := self._storage_detection()) is not None:
+                ongoing.paging = event.paging
+                ongoing.actions.append(f"paged after {event.lasted_s:.0f}s")
+            return event.paging
+        self._storage_back(event.landed_step, event.at)
+        return None
+
+    def _storage_back(self, landed_step: int | None, at: float) -> None:
+        """A checkpoint landed on storage: the outage, if one is open, is over."""
+        status = self.status
+        if (outage := status.storage_outage) is None:
+            return
+        status.storage_outage = None
+        if (ongoing := self._storage_detection()) is not None:
+            lasted = max(0.0, at - outage.since)
+            ongoing.actions.append(f"storage back after {lasted:.0f}s: the checkpoint of step {landed_step} landed")
+
+    def _storage_detection(self) -> Detection | None:
+        """The open outage's detection (None once the newest detections have pushed it out)."""
+        return next((d for d in reversed(self.status.detections) if d.kind == "storage_outage"), None)
 
     def resumed(self, step: int) -> None:
         """The generation starting now resumes from `step`: the last interruption learns its cost."""

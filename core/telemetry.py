@@ -81,6 +81,20 @@ class CheckpointCommitted(_Message):
     path: str
     blocking_s: float
     last_verified_step: int = 0  # the newest step at which an SDC check had passed (the watermark)
+    at: float = 0.0  # when it was committed (seconds since the epoch)
+
+
+class StorageUnavailable(_Message):
+    """The rank's checkpoint write to storage fails (once per outage, at its first failure): the
+    checkpoint is in host memory, on this node and its replica's, training goes on, and the write is
+    retried; a newer checkpoint takes the place of one still waiting."""
+
+    t: Literal["storage_unavailable"] = "storage_unavailable"
+    rank: int
+    generation: int
+    step: int  # the checkpoint whose write failed
+    since: float  # seconds since the epoch
+    error: str
 
 
 class Resumed(_Message):
@@ -181,6 +195,7 @@ RankMessage = Annotated[
         StepReport,
         NodeSteps,
         CheckpointCommitted,
+        StorageUnavailable,
         Resumed,
         Held,
         GpuReport,

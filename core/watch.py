@@ -1,6 +1,7 @@
 """One generation as the run monitor sees it, folded from its node agents' records: what the workflow
-must hear of (its first step, a straggler, a slowdown, healthy windows, a skipped update) and what
-ends it (a failed rank, a silent node, a hang, a failed SDC check, every rank done or holding).
+must hear of (its first step, a straggler, a slowdown, healthy windows, a skipped update, a storage
+outage) and what ends it (a failed rank, a silent node, a hang, a failed SDC check, every rank done
+or holding).
 
 Pure: records, step frames and the time come in; events come out. activities/monitor.py feeds it
 from the hubs and signals what it returns. Every report costs O(1) amortized at any width: steps
@@ -29,14 +30,17 @@ from core.events import (
     SdcDetected,
     SlowdownFound,
     SlownessTally,
+    StorageOutage,
     StragglerFound,
 )
 from core.goodput import straggler_wait
 from core.launch import node_of
+from core.paging import PagingClass, storage_outage
 from core.progress import CompletedStep, StepIngest
-from core.run import Progress
+from core.run import Outage, Progress
 from core.telemetry import (
     Anomaly,
+    CheckpointCommitted,
     Finished,
     GpuReport,
     Held,
@@ -45,6 +49,7 @@ from core.telemetry import (
     RankStarted,
     Resumed,
     SdcCheck,
+    StorageUnavailable,
 )
 
 # A rank that died of a lost peer waits this long past the silence timeout for the rank or node that
@@ -80,6 +85,8 @@ class GenerationWatch:
         self.witness: RankFailed | None = None  # a rank that died of a lost peer, and until when it waits
         self.witness_until = 0.0
         self.first: CompletedStep | None = None  # the generation's first step, once it is done
+        self.outage: Outage | None = input.storage_outage  # checkpoint storage away, until a commit
+        self.committed_at = 0.0  # the newest commit's time: a failure reported from before it is over
 
     # -- what comes in -------------------------------------------------------------------------
 
@@ -106,6 +113,8 @@ class GenerationWatch:
             return SdcDetected(check=message, progress=self.summary())
         elif isinstance(message, Anomaly):
             return AnomalyFound(anomaly=message, progress=self.summary())
+        elif isinstance(message, StorageUnavailable | CheckpointCommitted):
+            return self._storage(message)
         return None
 
     def steps(self, now: float) -> list[MonitorEvent]:
@@ -135,6 +144,8 @@ class GenerationWatch:
                 )
         if self.witness is not None and now >= self.witness_until:
             return self.witness
+        if (lasting := self._storage_lasting(wall)) is not None:
+            return lasting
         if self.finished_since is not None:
             return self._lingered(now)
         if len(self.held) >= self.input.world_size:
@@ -178,7 +189,40 @@ class GenerationWatch:
             "known_stragglers": self.known_stragglers,
             "slowdown_known": self.slowdown_known,
             "await_first_step": self.await_first_step,
+            "storage_outage": self.outage.model_dump() if self.outage else None,
         }
+
+    # -- checkpoint storage --------------------------------------------------------------------
+
+    def _storage(self, message: StorageUnavailable | CheckpointCommitted) -> StorageOutage | None:
+        """The first rank whose write fails opens an outage; the next commit (every shard and the
+        manifest landed) closes it: storage serves every rank again."""
+        outage = self.outage
+        if isinstance(message, StorageUnavailable):
+            if outage is not None or message.since < self.committed_at:
+                return None
+            self.outage = Outage(since=message.since, error=message.error, step=message.step)
+            return StorageOutage(phase="began", outage=self.outage, at=message.since, progress=self.summary())
+        self.committed_at = max(self.committed_at, message.at)
+        if outage is None:
+            return None
+        self.outage = None
+        return StorageOutage(
+            phase="over", outage=outage, at=message.at, landed_step=message.step, progress=self.summary()
+        )
+
+    def _storage_lasting(self, wall: float) -> StorageOutage | None:
+        """An outage past paging's bound, once: the bound counts checkpoint intervals, at the
+        generation's interval in steps and its step time so far."""
+        outage = self.outage
+        if outage is None or outage.paged or self.input.keeper is None:
+            return None
+        interval_s = self.input.keeper.checkpoint_steps * self.ingest.summary().step_seconds_p50
+        paging = storage_outage(wall - outage.since, interval_s, outage.error)
+        if paging.paging == PagingClass.INDEPENDENT:
+            return None
+        self.outage = outage.model_copy(update={"paged": True})
+        return StorageOutage(phase="lasting", outage=self.outage, at=wall, paging=paging, progress=self.summary())
 
     # -- how it ends ---------------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -113,10 +114,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write under a temporary name, fsync, rename: a reader sees the whole file or none of it."""
+def write_atomically(path: Path, data: bytes, opened: Callable[[BinaryIO], None] = lambda _: None) -> None:
+    """Write under a temporary name, fsync, rename: a reader sees the whole file or none of it.
+    `opened` sees the file before it is written (where a storage fault is injected)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
+        opened(f)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

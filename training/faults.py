@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 import torch
@@ -18,12 +21,14 @@ from core.faults import (
     BitFlip,
     CorruptCheckpoint,
     Crash,
+    DiskFull,
     Fault,
     FlakyRank,
     GradSpike,
     Hang,
     NanLoss,
     Slowdown,
+    StorageOutage,
     Straggler,
     WrongRank,
 )
@@ -37,6 +42,8 @@ class FaultInjector:
         self.rank = rank
         self.faults = [f for f in faults if f.fires_in(generation) and getattr(f, "rank", rank) == rank]
         self._hooks: list[RemovableHandle] = []
+        self._storage_faults_fired: set[int] = set()  # the steps whose storage fault began: a retry is no new fault
+        self._full_until = 0.0  # monotonic: until then every write to storage fails with ENOSPC
 
     # -- silent data corruption: wrong numbers, no error ----------------------------------------------
 
@@ -82,9 +89,30 @@ class FaultInjector:
                 dist.barrier()  # the peers are in the gradient all-reduce: nobody completes
         self._crash(step, "step")
 
-    def checkpoint_writing(self, step: int) -> None:
-        """Half of this rank's shard is on storage."""
+    def checkpoint_writing(self, step: int, directory: Path, file: BinaryIO) -> None:
+        """Half of this rank's shard is in `file`, on storage under `directory` (the run's): a crash,
+        or storage failing from here on, the rest of this very write included."""
         self._crash(step, "checkpoint_write")
+        if step in self._storage_faults_fired:
+            return
+        for fault in self.faults:
+            if isinstance(fault, StorageOutage) and fault.at_step == step and self.rank == 0:
+                self._storage_faults_fired.add(step)
+                _take_away(directory, fault.seconds)
+            elif isinstance(fault, DiskFull) and fault.at_step == step:
+                self._storage_faults_fired.add(step)
+                log.warning("injected full disk", seconds=fault.seconds)
+                self._full_until = time.monotonic() + fault.seconds
+                self.writing_to_storage(file)
+
+    def writing_to_storage(self, file: BinaryIO) -> None:
+        """`file` was just opened on storage for writing: on a full disk its writes fail. Linux's
+        /dev/full answers every write with ENOSPC, so putting it behind the file's descriptor makes
+        the writer's own write(2) fail as it does on a full filesystem."""
+        if time.monotonic() < self._full_until:
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, file.fileno())
+            os.close(full)
 
     def checkpoint_committed(self, step: int, directory: Path) -> None:
         for fault in self.faults:
@@ -97,6 +125,22 @@ class FaultInjector:
             if isinstance(fault, Crash) and fault.at_step == step and fault.during == during:
                 log.warning("injected crash", during=during, exit_code=fault.exit_code)
                 os._exit(fault.exit_code)
+
+
+def _take_away(directory: Path, seconds: float) -> None:
+    """The run's checkpoint directory vanishes for `seconds`, as a dropped mount does, then comes back
+    whole. No writer recreates it meanwhile (training/checkpointer.py), so every write and read under
+    it fails with ENOENT. A detached process of its own brings it back, whatever becomes of this rank
+    (a crash, or the restart that stops it)."""
+    away = directory.with_name(f".{directory.name}.away")
+    directory.rename(away)
+    log.warning("injected storage outage: checkpoint directory unreachable", directory=str(directory), seconds=seconds)
+    back = "import os, sys, time; time.sleep(float(sys.argv[1])); os.rename(sys.argv[2], sys.argv[3])"
+    subprocess.Popen(
+        [sys.executable, "-c", back, str(seconds), str(away), str(directory)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _scaled_by(scale: float) -> Callable[[torch.nn.Module, object, torch.Tensor], torch.Tensor]:

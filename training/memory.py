@@ -3,7 +3,11 @@
 A rank writes its shard here before storage. The file outlives the rank, so a crashed rank's
 replacement reads it back at memory speed, but not the host, so every shard also has a replica on
 the node of rank (r − W/2) mod W, another failure domain (seed R1). A node agent serves its tier to
-ranks on other hosts; ranks on the same host read it directly.
+ranks on other hosts; ranks on the same host read it directly, and prune it after each checkpoint.
+
+While storage is away the tier is the only copy of the checkpoints written since, and the newest
+checkpoint known whole on storage (the one a restart resumes from: only those are validated) is
+kept besides the newest KEEP, so that a restart during the outage reads it from here.
 
 No rank is told every node's agent (that would grow each launch with the node count): each node's
 local rank 0 publishes its own agent in the generation's rendezvous store, a rank looks up only its
@@ -15,6 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import socket
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -79,7 +84,8 @@ def memory_path(root: Path, run_id: str, checkpoint: str, file: str) -> Path:
     return within_root(root, root / run_id / checkpoint / file)
 
 
-def prune(root: Path, run_id: str, keep: int = KEEP) -> None:
+def prune(root: Path, run_id: str, also: Collection[str | None] = (), keep: int = KEEP) -> None:
+    """Drop all but the newest `keep` checkpoints of the run, and those named in `also`."""
     run = root / run_id
     if run.is_dir():
         # Oldest first in the order they were written: by generation, then step (the generation after
@@ -89,7 +95,8 @@ def prune(root: Path, run_id: str, keep: int = KEEP) -> None:
             key=lambda d: parse_checkpoint_dirname(d.name)[::-1],
         )
         for stale in checkpoints[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.name not in also:
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 def put(hub: str, run_id: str, checkpoint: str, path: Path) -> None:

@@ -1,10 +1,13 @@
 """Restore a checkpoint into a (possibly resized) group: each rank reads a share, one collective assembles it.
 
-The saved world's shards are read round-robin by the new ranks (shard p by rank p mod W). Every
-rank prefers the host-memory tier: its own node's tmpfs, then the node agents the manifest lists as
-holding that shard (its writer's and its replica's); only when some shard is in none of them does
-the whole group read from storage. Each shard is checked against the manifest's SHA-256 wherever it
-came from; then each is broadcast from its reader, so every rank ends with the whole replicated state.
+The manifest comes from the memory of a node that holds it (the committing node's, or its
+replica's), broadcast by the lowest rank there, and from storage only when no node has it. The saved
+world's shards are read round-robin by the new ranks (shard p by rank p mod W). Every rank prefers
+the host-memory tier: its own node's tmpfs, then the node agents the manifest lists as holding that
+shard (its writer's and its replica's); only when some shard is in none of them does the whole group
+read from storage. So while storage is away, a checkpoint whose every shard survives in memory is
+restored all the same. Each shard is checked against the manifest's SHA-256 wherever it came from;
+then each is broadcast from its reader, so every rank ends with the whole replicated state.
 """
 
 from __future__ import annotations
@@ -67,16 +70,29 @@ def _from_memory(tier: MemoryTier | None, run_id: str, name: str, shard: ShardRe
     return None
 
 
-def _manifest(directory: Path, tier: MemoryTier | None, run_id: str) -> Manifest:
-    """From this node's tier when it committed the checkpoint (the manifest is kept on that node only)."""
-    if tier is not None and (data := _local(tier, run_id, directory.name, MANIFEST)) is not None:
-        return parse_manifest(data, f"memory copy of {directory.name}/{MANIFEST}")
-    return read_manifest(directory)
+def _manifest(directory: Path, tier: MemoryTier | None, run_id: str, rank: int, world_size: int) -> Manifest:
+    """From the lowest rank whose node keeps it in memory, to every rank; from storage if none does."""
+    data = _local(tier, run_id, directory.name, MANIFEST) if tier is not None else None
+    holder = torch.tensor([rank if data is not None else world_size])
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+    source = int(holder)
+    if source == world_size:
+        return read_manifest(directory)
+    sent = data if rank == source else None
+    size = torch.tensor([len(sent) if sent is not None else 0])
+    dist.broadcast(size, src=source)
+    buffer = (
+        torch.frombuffer(bytearray(sent), dtype=torch.uint8)
+        if sent is not None
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
+    dist.broadcast(buffer, src=source)
+    return parse_manifest(buffer.numpy().tobytes(), f"memory copy of {directory.name}/{MANIFEST}")
 
 
 def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: MemoryTier | None) -> Restored:
     started = time.perf_counter()
-    manifest = _manifest(directory, tier, run_id)
+    manifest = _manifest(directory, tier, run_id, rank, world_size)
     shards = {s.rank: s for s in manifest.shards}
     mine = [p for p in range(manifest.world_size) if p % world_size == rank]
     blobs = {p: _from_memory(tier, run_id, directory.name, shards[p]) for p in mine}

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from core.escalation import rebalance
 from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
-from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport
+from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
 from training import memory
 from training.channel import AgentChannel
 from training.checkpoint import CheckpointError, Manifest, within_root
@@ -170,6 +170,7 @@ class Trainer:
         self.state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0))
         self.stream = SampleStream(corpus, self.gpt_config.block_size, args.global_batch, args.seed)
         self.channel: AgentChannel | None = None
+        self.durable: str | None = None  # the newest checkpoint known whole on storage (host memory keeps it)
         if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
             # On SIGUSR1 every thread's Python stack goes to this file, even while blocked in a collective.
             self.stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
@@ -205,13 +206,15 @@ class Trainer:
         checkpointer = self.checkpointer(config, rank, world_size, store, tier, faults)
         guard = SdcGuard(config.sdc, rank, world_size, config.generation, self.state.last_verified)
         outcome = train(self.state, self.stream, supervision, checkpointer, faults, guard, self.args.device_ms / 1000)
+        if outcome is Outcome.DONE:  # said before the final checkpoint lands: waiting for storage is no hang
+            self.report(Finished(rank=rank, generation=config.generation, step=self.state.step))
         checkpointer.wait()
+        self.durable = checkpointer.durable()
         faults.detach()
         if outcome is Outcome.HALTED:  # the state is suspect: nothing of it may go on; wait to be stopped
             supervision.await_rejoin()
             sys.exit(EXIT_SDC)
         if outcome is Outcome.DONE:
-            self.report(Finished(rank=rank, generation=config.generation, step=self.state.step))
             dist.destroy_process_group()
             return False
         self.report(Held(rank=rank, generation=config.generation, step=self.state.step))
@@ -255,6 +258,7 @@ class Trainer:
             sys.exit(EXIT_CHECKPOINT_UNUSABLE)
         self.state.restore(restored.manifest, restored.tensors)
         restore_rng(restored.manifest, restored.tensors, rank)
+        self.durable = directory.name  # validated, so whole on storage
         self.report(
             Resumed(
                 rank=rank,
@@ -284,7 +288,13 @@ class Trainer:
                     path=str(path),
                     blocking_s=blocking,
                     last_verified_step=manifest.last_verified_step,
+                    at=time.time(),
                 )
+            )
+
+        def outage(step: int, since: float, error: OSError) -> None:
+            self.report(
+                StorageUnavailable(rank=rank, generation=config.generation, step=step, since=since, error=str(error))
             )
 
         identity = Identity(
@@ -292,7 +302,16 @@ class Trainer:
         )
         shard_records = dist.PrefixStore("stayalive/checkpoints", store)
         return Checkpointer(
-            config.checkpoint_dir, rank, world_size, shard_records, identity, tier, faults, on_commit=committed
+            config.checkpoint_dir,
+            rank,
+            world_size,
+            shard_records,
+            identity,
+            tier,
+            faults,
+            on_commit=committed,
+            on_outage=outage,
+            durable=self.durable,
         )
 
 

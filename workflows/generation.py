@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         SdcDetected,
         SlowdownFound,
         SlownessTally,
+        StorageOutage,
         StragglerFound,
     )
     from core.faults import HARDWARE
@@ -169,6 +170,7 @@ def start_monitor(book: RunBook) -> Generation:
         healthy_windows=health.baseline_windows,
         tally_s=health.slowness_tally,
         keeper=keeper if spec.hooks else None,
+        storage_outage=status.storage_outage,
     )
     return Generation(number=status.generation, monitor=calls.monitor(input))
 
@@ -247,6 +249,8 @@ async def _on_finding(book: RunBook, inbox: Inbox, event: MonitorEvent) -> None:
     """What the detectors found that ends nothing: record it, and act on slowness."""
     if isinstance(event, AnomalyFound):
         incidents.anomaly(book, event)
+    elif isinstance(event, StorageOutage):
+        await incidents.storage(book, event)
     elif isinstance(event, StragglerFound | SlownessTally):
         if isinstance(event, StragglerFound):
             await stragglers.settle(book, resolved=False)

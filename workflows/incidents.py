@@ -1,5 +1,6 @@
 """What went wrong in a generation, as the timeline entry it becomes: a crash, a lost node, a hang,
-silent data corruption, a node that never answered its launch, a skipped update.
+silent data corruption, a node that never answered its launch; and what went wrong and stopped
+nothing, as a detection: a skipped update, checkpoint storage that went away.
 
 Each is told apart by who noticed (seed 002): a node agent reaps a dead rank, a node agent falls
 silent, the run monitor's watchdog sees no step, the ranks' own checks see a wrong number. Each
@@ -18,7 +19,7 @@ from workflows import calls
 
 with workflow.unsafe.imports_passed_through():
     from core.control import HangInput
-    from core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected
+    from core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
     from core.fleet_requests import Replace
     from core.launch import Membership
     from core.paging import Classification, Page
@@ -139,6 +140,18 @@ def anomaly(book: RunBook, event: AnomalyFound) -> None:
         )
     )
     workflow.logger.warning("update of step %s skipped: %s", found.step, found.detail)
+
+
+async def storage(book: RunBook, event: StorageOutage) -> None:
+    """Checkpoint storage is away and the ranks train on, checkpointing into host memory: recorded
+    on the run, and a person is paged once it outlasts paging's bound (core.paging.storage_outage)."""
+    outage = event.outage
+    paging = book.storage(event)
+    workflow.logger.warning("checkpoint storage %s (since step %s): %s", event.phase, outage.step, outage.error)
+    if paging is not None:
+        since = datetime.fromtimestamp(outage.since, UTC).strftime("%H:%M:%S UTC")
+        summary = f"checkpoint storage unavailable since {since} (step {outage.step}); training goes on"
+        await calls.send_page(page(book, paging, summary))
 
 
 async def replace(book: RunBook, interruption: Interruption, node: str, reason: str) -> Membership:

@@ -350,7 +350,7 @@ class RunWorkflow:
                 )
             )
             return
-        book.complete(target)
+        book.complete(target, workflow.now())
 
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.

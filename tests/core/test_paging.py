@@ -7,7 +7,15 @@ from datetime import timedelta
 
 import pytest
 
-from core.paging import PLANNED, PLANNED_CAUSES, PagingClass, classify, over_limit
+from core.paging import (
+    PLANNED,
+    PLANNED_CAUSES,
+    STORAGE_OUTAGE_INTERVALS,
+    PagingClass,
+    classify,
+    over_limit,
+    storage_outage,
+)
 from core.run import Cause, Interruption
 from core.spec import FailureLimit
 from tests.core.runs import at, interruption
@@ -187,3 +195,30 @@ def test_a_planned_interruption_is_never_over_the_limit() -> None:
     history = every(0.01, 50)
     drain = interruption(at(hours=1), Cause.DRAIN, node="n1", step=5)
     assert over_limit(history, drain, FailureLimit(failures=1)) is None
+
+
+# -- a storage outage: recorded at once, a person once it outlasts three checkpoint intervals ----------
+STORAGE_CASES = [
+    pytest.param(5.0, 780.0, PagingClass.INDEPENDENT, id="a 5 s blip at a 13 min interval"),
+    pytest.param(3 * 780.0, 780.0, PagingClass.INDEPENDENT, id="exactly three intervals"),
+    pytest.param(3 * 780.0 + 1, 780.0, PagingClass.CORRELATED, id="past three intervals"),
+    pytest.param(4 * 3600.0, 780.0, PagingClass.CORRELATED, id="four hours"),
+    pytest.param(1.0, 0.25, PagingClass.CORRELATED, id="1 s at a 0.25 s interval: four intervals of work exposed"),
+    pytest.param(3600.0, 0.0, PagingClass.INDEPENDENT, id="no step time measured yet: no interval to count in"),
+]
+
+
+@pytest.mark.parametrize(("lasted_s", "interval_s", "expected"), STORAGE_CASES)
+def test_a_storage_outage_wants_a_person_past_three_checkpoint_intervals(
+    lasted_s: float, interval_s: float, expected: PagingClass
+) -> None:
+    verdict = storage_outage(lasted_s, interval_s, "[Errno 2] No such file or directory")
+    assert (verdict.paging, verdict.rule) == (expected, "storage outage")
+    assert "No such file or directory" in verdict.evidence
+
+
+def test_the_storage_page_says_what_is_at_risk() -> None:
+    assert STORAGE_OUTAGE_INTERVALS == 3
+    verdict = storage_outage(4000.0, 780.0, "ENOSPC")
+    assert "5.1 checkpoint intervals" in verdict.evidence
+    assert "host memory only" in verdict.action and "rolls back" in verdict.action

@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
-from core.events import FirstStep, Hang, MonitorInput, NodeLost, RankFailed, RanksFinished
-from core.telemetry import Finished, Held, NodeSteps, RankExited, RankStarted, pack_steps
+from core.events import (
+    FirstStep,
+    Hang,
+    KeeperInput,
+    MonitorInput,
+    NodeLost,
+    RankFailed,
+    RanksFinished,
+    StorageOutage,
+)
+from core.paging import PagingClass
+from core.run import Outage
+from core.telemetry import (
+    CheckpointCommitted,
+    Finished,
+    Held,
+    NodeSteps,
+    RankExited,
+    RankStarted,
+    StorageUnavailable,
+    pack_steps,
+)
 from core.watch import WITNESS_GRACE_S, GenerationWatch
 
 NODES = ["a", "b", "c"]
@@ -152,3 +174,58 @@ def test_the_first_step_is_dated_when_it_was_done() -> None:
             seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
     (first,) = [e for e in seen.steps(now=5.0) if e.kind == "first_step"]
     assert (first.step, first.at) == (11, 1001.0)
+
+
+def steps_done(seen: GenerationWatch, step: int, step_s: float, at: float) -> None:
+    """Every rank of every node completed `step` in `step_s`."""
+    for i in range(len(NODES)):
+        frame = NodeSteps(
+            generation=2, step=step, first_rank=2 * i, compute_s=[step_s] * 2, step_s=[step_s] * 2,
+            loss=[1.0, 1.0], samples=[[0], [1]], at=at,
+        )  # fmt: skip
+        seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
+    seen.steps(now=at - 1000.0)
+
+
+def unavailable(rank: int, since: float) -> StorageUnavailable:
+    return StorageUnavailable(rank=rank, generation=2, step=20, since=since, error="[Errno 28] No space left")
+
+
+def committed(step: int, at: float) -> CheckpointCommitted:
+    return CheckpointCommitted(rank=0, generation=2, step=step, path=f"/c/{step}", blocking_s=0.1, at=at)
+
+
+KEEPER = KeeperInput(
+    root="/c", checkpoints=[], started_at=datetime(2026, 1, 1, tzinfo=UTC), sdc_check_steps=100, checkpoint_steps=10
+)
+
+
+def test_a_storage_outage_is_told_when_it_begins_pages_past_three_intervals_and_ends_at_the_next_commit() -> None:
+    seen = watch(keeper=KEEPER)
+    steps_done(seen, 1, step_s=1.0, at=1000.0)  # a 10 s checkpoint interval: the page comes past 30 s
+    began = seen.record("a", unavailable(0, since=1001.0), now=1.0)
+    assert isinstance(began, StorageOutage) and began.phase == "began" and began.outage.step == 20
+    assert seen.record("b", unavailable(3, since=1001.5), now=1.5) is None, "one outage, however many ranks"
+    for node in NODES:
+        seen.heard_from(node, 30.0)
+    assert seen.tick(30.0, wall=1030.0) is None
+    lasting = seen.tick(30.0, wall=1032.0)
+    assert isinstance(lasting, StorageOutage) and lasting.phase == "lasting" and lasting.outage.paged
+    assert lasting.paging is not None and lasting.paging.paging == PagingClass.CORRELATED
+    assert seen.tick(30.0, wall=1040.0) is None, "paged once"
+    over = seen.record("a", committed(160, at=1045.0), now=45.0)
+    assert isinstance(over, StorageOutage) and (over.phase, over.landed_step, over.lasted_s) == ("over", 160, 44.0)
+    assert seen.record("a", committed(170, at=1046.0), now=46.0) is None
+    assert seen.record("c", unavailable(5, since=1040.0), now=47.0) is None, "read late: the commit ended it"
+
+
+def test_an_outage_carried_into_a_generation_ends_with_its_first_commit_and_is_not_paged_again() -> None:
+    carried = Outage(since=900.0, error="[Errno 2] No such file or directory", step=10, paged=True)
+    seen = watch(keeper=KEEPER, storage_outage=carried)
+    steps_done(seen, 1, step_s=1.0, at=1000.0)
+    assert seen.record("a", unavailable(0, since=1001.0), now=1.0) is None, "it began before this generation"
+    for node in NODES:
+        seen.heard_from(node, 2.0)
+    assert seen.tick(2.0, wall=1002.0) is None
+    over = seen.record("a", committed(30, at=1010.0), now=10.0)
+    assert isinstance(over, StorageOutage) and over.phase == "over" and over.lasted_s == 110.0

@@ -2,7 +2,8 @@
 
 A checkpoint's manifest says which node agents hold each shard in memory; a resume reads a shard
 from there (its own node's copy, else its replica's) and from storage only when some shard is in
-no node's memory. No rank is told every node's agent: each finds its replica's in the store."""
+no node's memory, so it needs no storage at all when every shard and the manifest are in memory.
+No rank is told every node's agent: each finds its replica's in the store."""
 
 from __future__ import annotations
 
@@ -81,8 +82,8 @@ async def test_shards_sit_where_the_manifest_says_and_a_resume_reads_them_from_t
         manifest = read_manifest(checkpoint)
         assert [shard.hubs for shard in manifest.shards] == [[agents[r // 2], agents[1 - r // 2]] for r in range(4)]
         assert all(in_memory(hub, checkpoint, shard.file).is_file() for hub in hubs for shard in manifest.shards)
-        committed_on = [hub.node for hub in hubs if in_memory(hub, checkpoint, MANIFEST).is_file()]
-        assert len(committed_on) == 1, f"the manifest is kept in the committing node's memory only: {committed_on}"
+        kept_on = [hub.node for hub in hubs if in_memory(hub, checkpoint, MANIFEST).is_file()]
+        assert kept_on == ["n1", "n2"], "the manifest is kept on the committing node and its replica's"
 
         # (2) n1 loses its copy of shard 0. At world size 2 (one rank per node) rank 0 on n1 reads
         # shard 0: not in its own tier, so from n2, the replica's agent the manifest names.
@@ -94,6 +95,26 @@ async def test_shards_sit_where_the_manifest_says_and_a_resume_reads_them_from_t
         in_memory(hubs[1], checkpoint, shard_filename(0)).unlink()
         await launch(hubs, ckpt, world_size=4, generation=2, resume=checkpoint)
         assert resumed_from(hubs, generation=2) == ["storage"] * 4
+    finally:
+        for hub in hubs:
+            hub.close()
+
+
+async def test_while_storage_is_away_a_resume_reads_the_whole_checkpoint_from_memory(tmp_path: Path) -> None:
+    hubs = [NodeHub(node, "127.0.0.1", tmp_path / f"memory-{node}") for node in ("n1", "n2")]
+    for hub in hubs:
+        await hub.start()
+    ckpt = tmp_path / "ckpt"
+    checkpoint = ckpt / f"step-{STEP:08d}-g0"
+    try:
+        await launch(hubs, ckpt, world_size=4, generation=0)
+        ckpt.rename(tmp_path / "away")  # storage unmounted: every path under it is gone
+        # The manifest survives on one node only; the ranks of the other read it from there.
+        in_memory(hubs[0], checkpoint, MANIFEST).unlink()
+
+        await launch(hubs, ckpt, world_size=4, generation=1, resume=checkpoint)
+        assert resumed_from(hubs, generation=1) == ["memory"] * 4
+        assert not ckpt.exists(), "a rank that resumed never recreates the run's directory"
     finally:
         for hub in hubs:
             hub.close()
