@@ -37,9 +37,9 @@ from core.control import (
     StackDump,
     StartRanks,
 )
-from core.detectors import culprit, main_thread
 from core.fleet import SelfTestResult
 from core.fleet_requests import SelfTestInput
+from core.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
 from core.launch import Launch, Launched, NodeLaunch
 from training.checkpoint import within_root
 
@@ -132,24 +132,26 @@ class NodeActivities:
 
     @activity.defn
     async def dump_stacks(self, request: HangInput) -> HangStacks:
-        """Every live rank's Python stacks, kept in one file under the run's directory: each distinct
-        stack once, with the ranks that share it, and the rank whose stack stands out."""
+        """Every live rank's Python stacks and collective counts, kept in one file under the run's
+        directory: the counts, each distinct stack once with the ranks that share it, and the culprit
+        they point at (core/hangs.py: the counts first, then the stacks)."""
         hubs = await self.fleet.hubs(request.nodes)
         async with _heartbeating():
             dumps, missing = await ask_each(
                 hubs, request.nodes, lambda _: DumpStacks(run_id=request.run_id), STACKS_WITHIN_S
             )
-        stacks = {rank: text for d in dumps.values() if isinstance(d, StackDump) for rank, text in d.stacks.items()}
-        suspects = culprit(stacks)
-        found = suspects[0] if len(suspects) == 1 else None
-        if found is not None:
-            summary = f"rank {found}'s stack differs from the other {len(stacks) - 1}"
-        else:
-            summary = f"no single rank's stack stands out (suspects: {_ranks(suspects[:8]) or 'none'})"
-        artifact = _write(request, stacks, suspects, summary, missing) if stacks else None
-        log.info("stacks dumped", run_id=request.run_id, ranks=len(stacks), culprit=found, artifact=artifact)
+        answered = [d for d in dumps.values() if isinstance(d, StackDump)]
+        stacks = {rank: text for d in answered for rank, text in d.stacks.items()}
+        progress = {rank: p for d in answered for rank, p in d.progress.items()}
+        found = find_culprit(stacks, progress, request.generation)
+        artifact = _write(request, stacks, progress, found, missing) if stacks else None
+        log.info("stacks dumped", run_id=request.run_id, ranks=len(stacks), culprit=found.culprit, artifact=artifact)
         return HangStacks(
-            culprit=found, suspects=suspects[:8], ranks_dumped=len(stacks), artifact=artifact, summary=summary
+            culprit=found.culprit,
+            suspects=found.suspects[:8],
+            ranks_dumped=len(stacks),
+            artifact=artifact,
+            summary=found.summary,
         )
 
     @activity.defn
@@ -177,28 +179,48 @@ class NodeActivities:
                 return answer.result
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+def _shown(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
 
 
 def _write(
-    request: HangInput, stacks: dict[int, str], suspects: list[int], summary: str, missing: dict[str, str]
+    request: HangInput,
+    stacks: dict[int, str],
+    progress: dict[int, CollectiveProgress],
+    found: HangFinding,
+    missing: dict[str, str],
 ) -> str:
-    """One file a person reads: the finding, then each distinct main-thread stack with its ranks."""
-    groups: dict[tuple[tuple[str, str], ...], list[int]] = defaultdict(list)
-    for rank in sorted(stacks):
-        groups[tuple(main_thread(stacks[rank]))].append(rank)
+    """One file a person reads: the finding, each rank's collective counts (ranks that agree, on
+    one line), then each distinct main-thread stack with its ranks."""
+    groups = stack_groups(stacks)
+    distinct = f"{len(groups)} distinct main-thread stacks"
+    if len(groups) == 1:
+        distinct = "one main-thread stack, the same on every rank"
     lines = [
         f"run {request.run_id}, generation {request.generation}: no step after {request.step}",
-        summary,
-        f"{len(stacks)} ranks dumped their stacks; {len(groups)} distinct main-thread stacks",
+        found.summary,
+        f"{len(stacks)} ranks dumped their stacks; {distinct}",
         *(f"no stacks from {node}: {why}" for node, why in sorted(missing.items())),
         "",
     ]
-    for ranks in sorted(groups.values(), key=len):
-        shown = ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
-        marker = "  <- stands out" if set(ranks) & set(suspects) else ""
-        lines += [f"== ranks {shown}{marker}", stacks[ranks[0]].rstrip() or "(no Python frames)", ""]
+    counts: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+    for rank in sorted(stacks.keys() & progress.keys()):
+        seen = progress[rank].of(request.generation)
+        counts[(seen.entered, seen.completed, seen.step, seen.site)].append(rank)
+    if counts:
+        lines.append(f"collectives entered / completed in generation {request.generation} (ranks that keep counts)")
+    top = max((entered for entered, *_ in counts), default=0)
+    for (entered, completed, step, site), ranks in sorted(counts.items()):
+        marker = "  <- behind" if entered < top else ""
+        where = SITE_NAMES.get(site, "none yet")
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_shown(ranks)}"
+        lines.append(f"   {entered} / {completed}, step {step}, newest: {where}: {who}{marker}")
+    if uncounted := sorted(stacks.keys() - progress.keys()):
+        lines.append(f"   no counts: ranks {_shown(uncounted)}")
+    lines.append("")
+    for ranks in groups:
+        marker = "  <- stands out" if set(ranks) & set(found.odd_stacks) else ""
+        lines += [f"== ranks {_shown(ranks)}{marker}", stacks[ranks[0]].rstrip() or "(no Python frames)", ""]
     directory = within_root(request.directory, Path(request.directory) / "incidents")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"hang-g{request.generation}-step{request.step}.txt"

@@ -45,6 +45,7 @@ from core.control import (
     StartRanks,
 )
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
+from core.hangs import CollectiveProgress
 from core.launch import Endpoint, NodeLaunch, rank_env
 from core.telemetry import GpuReport, RankExited, RankStarted, Rejoin
 
@@ -76,6 +77,14 @@ def backend_refusal(node: str, backend: str, ranks_per_node: int) -> str | None:
     if (devices := torch.cuda.device_count()) < ranks_per_node:
         return f"{node} has {devices} CUDA devices for {ranks_per_node} NCCL ranks per node: lower ranks_per_node"
     return None
+
+
+def _progress(path: Path) -> CollectiveProgress | None:
+    """A rank's collective counts; None from a rank that keeps none (a script without the hooks)."""
+    try:
+        return CollectiveProgress.decode(path.read_bytes())
+    except FileNotFoundError:
+        return None
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -211,7 +220,8 @@ class NodeAgent:
             await asyncio.sleep(every)
 
     async def dump_stacks(self, run_id: str) -> StackDump:
-        """Every live rank of the run here dumps its Python stacks (faulthandler, on SIGUSR1)."""
+        """Every live rank of the run here dumps its Python stacks (faulthandler, on SIGUSR1); with
+        them, the collective progress each rank counts in its file (no answer from the rank needed)."""
         alive = [r for r in self.ranks.get(run_id, []) if r.exit_code is None]
         sizes = {r.rank: r.stack_path.stat().st_size if r.stack_path.exists() else 0 for r in alive}
         for r in alive:
@@ -222,8 +232,9 @@ class NodeAgent:
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.2)  # let the last frames land
         stacks = {r.rank: _tail(r.stack_path, sizes[r.rank]) for r in alive}
-        log.info("stacks dumped", run_id=run_id, node=self.node, ranks=sorted(stacks))
-        return StackDump(stacks=stacks)
+        progress = {r.rank: p for r in alive if (p := _progress(r.progress_path)) is not None}
+        log.info("stacks dumped", run_id=run_id, node=self.node, ranks=sorted(stacks), counted=sorted(progress))
+        return StackDump(stacks=stacks, progress=progress)
 
     def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
@@ -233,6 +244,8 @@ class NodeAgent:
             "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
             # Where the rank dumps its Python stacks on SIGUSR1 (next to its log: RankProcess.stack_path).
             "STAYALIVE_STACK_FILE": str(run_dir / f"rank-{launch.ranks[local_rank]}.stacks"),
+            # Where it counts the collectives it entered and completed (RankProcess.progress_path).
+            "STAYALIVE_PROGRESS_FILE": str(run_dir / f"rank-{launch.ranks[local_rank]}.progress"),
         }
 
     async def _rejoin(self, launch: NodeLaunch) -> list[RankProcess]:

@@ -48,6 +48,11 @@ class RankProcess:
         return self.log_path.with_suffix(".stacks")
 
     @property
+    def progress_path(self) -> Path:
+        """Where the rank counts its collectives (the agent sets STAYALIVE_PROGRESS_FILE to it)."""
+        return self.log_path.with_suffix(".progress")
+
+    @property
     def exit_code(self) -> int | None:
         """The exit status, with death by signal N reported as 128 + N, as a shell would."""
         if not self.waiter.done() or self.waiter.cancelled():

@@ -15,6 +15,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, Field, TypeAdapter
 
 from core.fleet import SelfTestResult
+from core.hangs import CollectiveProgress
 from core.launch import Endpoint, NodeLaunch
 from core.spec import Backend
 from core.telemetry import Command
@@ -74,6 +75,7 @@ class DumpStacks(BaseModel):
 class StackDump(BaseModel):
     t: Literal["stack_dump"] = "stack_dump"
     stacks: dict[int, str]  # rank → its newest dump
+    progress: dict[int, CollectiveProgress] = {}  # rank → its collective counts, from ranks that keep them
 
 
 class ReleaseRun(BaseModel):
@@ -134,7 +136,8 @@ class ReleaseRanks(BaseModel):
 
 
 class HangInput(BaseModel):
-    """Dump every rank's stacks, name the one that stands out, keep them all in one file."""
+    """Dump every rank's stacks and collective counts, name the culprit they point at, keep them all
+    in one file."""
 
     run_id: str
     nodes: list[str]
@@ -145,10 +148,11 @@ class HangInput(BaseModel):
 
 
 class HangStacks(BaseModel):
-    """What the stacks of a hung generation say: one artifact for a person, and the finding."""
+    """What the stacks and counts of a hung generation say: one artifact for a person, and the
+    finding (core/hangs.py)."""
 
-    culprit: int | None  # the one rank whose stack differs from the rest, if there is one
-    suspects: list[int]  # ranks whose stacks stand out (several: no single culprit), at most a few
+    culprit: int | None  # the one rank the evidence names (it never entered the collective, or its stack differs)
+    suspects: list[int]  # the ranks it points at (several: no single culprit), at most a few
     ranks_dumped: int
     artifact: str | None  # every distinct stack with the ranks that share it; None if nothing was dumped
     summary: str  # one line for the timeline

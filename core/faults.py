@@ -50,6 +50,22 @@ class Hang(_Fault):
         return f"hang of rank {self.rank} at step {self.at_step}"
 
 
+class CollectiveHang(_Fault):
+    """The rank's gradient all-reduce of `at_step` never completes, and it stalls at the very call
+    site its peers wait in, so every rank's Python stack is the same. `before`: it never issues
+    the collective (an enqueue wedged in the driver); its peers enter it and wait. `inside`: it
+    enters, and its contribution is lost on the way (a link that drops it): every rank waits in the
+    same collective and nothing tells them apart."""
+
+    kind: Literal["collective_hang"] = "collective_hang"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+    where: Literal["before", "inside"] = "before"
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}'s all-reduce of step {self.at_step} never completes ({self.where} it)"
+
+
 class Straggler(_Fault):
     """The rank computes `factor`× slower from `from_step` on (a throttled GPU): slow, never wrong."""
 
@@ -284,6 +300,7 @@ Fault = Annotated[
     Union[  # noqa: UP007
         Crash,
         Hang,
+        CollectiveHang,
         Straggler,
         Slowdown,
         BitFlip,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load, save
 
+from core.hangs import Site
+from training import collectives
 from training.state import TrainState, reseed
 
 
@@ -27,14 +28,14 @@ def state_from_rank0(state: TrainState, rank: int) -> None:
         sizes = torch.tensor([len(blob), len(meta)], dtype=torch.int64)
     else:
         sizes = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(sizes, src=0)
+    collectives.broadcast(sizes, 0, Site.HANDOVER)
     blob_size, meta_size = (int(s) for s in sizes)
     buffer = (
         torch.frombuffer(bytearray(blob + meta), dtype=torch.uint8)
         if rank == 0
         else torch.empty(blob_size + meta_size, dtype=torch.uint8)
     )
-    dist.broadcast(buffer, src=0)
+    collectives.broadcast(buffer, 0, Site.HANDOVER)
     if rank != 0:
         data = buffer.numpy().tobytes()
         described = json.loads(data[blob_size:])

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from core.faults import (
     BitFlip,
+    CollectiveHang,
     CorruptCheckpoint,
     Crash,
     DiskFull,
@@ -32,18 +33,25 @@ from core.faults import (
     Straggler,
     WrongRank,
 )
+from training import collectives
 from training.checkpoint import MANIFEST, shard_filename
 
 log = structlog.get_logger()
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], rank: int, generation: int) -> None:
+    def __init__(self, faults: list[Fault], rank: int, generation: int, world_size: int = 1) -> None:
         self.rank = rank
-        self.faults = [f for f in faults if f.fires_in(generation) and getattr(f, "rank", rank) == rank]
+        planned = [f for f in faults if f.fires_in(generation)]
+        self.faults = [f for f in planned if getattr(f, "rank", rank) == rank]
         self._hooks: list[RemovableHandle] = []
         self._storage_faults_fired: set[int] = set()  # the steps whose storage fault began: a retry is no new fault
         self._full_until = 0.0  # monotonic: until then every write to storage fails with ENOSPC
+        # A collective hang stalls in a group of its own, with a peer that never joins it. Creating a
+        # group takes every rank of the world, so each one does, for every such fault planned.
+        self._stalls = {
+            fault: _stall_group(fault, world_size) for fault in planned if isinstance(fault, CollectiveHang)
+        }
 
     # -- silent data corruption: wrong numbers, no error ----------------------------------------------
 
@@ -87,6 +95,9 @@ class FaultInjector:
             elif isinstance(fault, Hang) and fault.at_step == step:
                 log.warning("injected hang: entering a collective no peer joins")
                 dist.barrier()  # the peers are in the gradient all-reduce: nobody completes
+            elif isinstance(fault, CollectiveHang) and fault.at_step == step:
+                log.warning("injected collective hang: the gradient all-reduce never completes", where=fault.where)
+                collectives.stall_next(self._stalls[fault], counted=fault.where == "inside")
         self._crash(step, "step")
 
     def checkpoint_writing(self, step: int, directory: Path, file: BinaryIO) -> None:
@@ -141,6 +152,12 @@ def _take_away(directory: Path, seconds: float) -> None:
         start_new_session=True,
         stdin=subprocess.DEVNULL,
     )
+
+
+def _stall_group(fault: CollectiveHang, world_size: int) -> dist.ProcessGroup:
+    """A group of the hanging rank and its neighbour, which never issues anything in it."""
+    peer = (fault.rank + 1) % world_size
+    return dist.new_group([fault.rank, peer])
 
 
 def _scaled_by(scale: float) -> Callable[[torch.nn.Module, object, torch.Tensor], torch.Tensor]:

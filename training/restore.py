@@ -22,7 +22,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from training import memory
+from core.hangs import Site
+from training import collectives, memory
 from training.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -97,7 +98,7 @@ def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: Memo
     mine = [p for p in range(manifest.world_size) if p % world_size == rank]
     blobs = {p: _from_memory(tier, run_id, directory.name, shards[p]) for p in mine}
     in_memory = torch.tensor([int(tier is not None and all(b is not None for b in blobs.values()))])
-    dist.all_reduce(in_memory, op=dist.ReduceOp.MIN)  # all from memory, or all from storage
+    collectives.all_reduce(in_memory, Site.RESTORE, op=dist.ReduceOp.MIN)  # all from memory, or all from storage
     source: Source = "memory" if int(in_memory) else "storage"
     if source == "storage":
         blobs = {p: _verified((directory / shards[p].file).read_bytes(), shards[p].sha256) for p in mine}
@@ -111,7 +112,7 @@ def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: Memo
             if blob is not None
             else torch.empty(shards[p].size, dtype=torch.uint8)
         )
-        dist.broadcast(buffer, src=p % world_size)
+        collectives.broadcast(buffer, p % world_size, Site.RESTORE)
         tensors.update(parse_shard(buffer.numpy().tobytes(), shards[p].file))
     seconds = time.perf_counter() - started
     log.info("restored", checkpoint=directory.name, source=source, seconds=round(seconds, 3))

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
+from core.hangs import Site
 from core.spec import SdcSpec
 from core.telemetry import Anomaly, SdcCheck
+from training import collectives
 
 TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomputation is exactly 0
 TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-good hardware, × 5
@@ -139,12 +140,12 @@ class SdcGuard:
         """Every rank's ‖g − mean‖ / ‖mean‖, the mean and the result without `left_out`."""
         counted = self.rank != left_out
         mean = mine.clone() if counted else torch.zeros_like(mine)
-        dist.all_reduce(mean)
+        collectives.all_reduce(mean, Site.SDC_CHECK)
         mean /= self.world_size - (left_out is not None)
         distances = torch.zeros(self.world_size)
         if counted:
             distances[self.rank] = float((mine - mean).norm() / mean.norm().clamp_min(1e-30))
-        dist.all_reduce(distances)
+        collectives.all_reduce(distances, Site.SDC_CHECK)
         return distances if left_out is None else distances[torch.arange(self.world_size) != left_out]
 
     def cross_check(self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]) -> SdcCheck:
@@ -187,7 +188,7 @@ class SdcGuard:
             compute_on(a)
             delta[:-1] = -flat_grads(params)
             set_grads(params, mine)
-        dist.all_reduce(delta)
+        collectives.all_reduce(delta, Site.SDC_CHECK)
         return float(delta[:-1].norm() / delta[-1].clamp_min(1e-30))
 
     # -- the flags that ride the gradient all-reduce -------------------------------------------------

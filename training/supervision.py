@@ -19,9 +19,10 @@ import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
 from core.faults import Fault
+from core.hangs import Site
 from core.spec import SdcSpec
 from core.telemetry import Command, Rejoin
-from training import memory
+from training import collectives, memory
 from training.channel import AgentChannel
 from training.memory import MemoryTier
 
@@ -162,11 +163,11 @@ class Supervision:
         (the most received); the ranks that have it contribute its (positive) payload of `size`
         values, the rest zeros; the MAX is its."""
         newest = torch.tensor([self._seen[kind]], dtype=torch.int64)
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(newest, Site.AGREEMENT, op=dist.ReduceOp.MAX)
         values = torch.zeros(size, dtype=torch.float64)
         if self._seen[kind] == int(newest) and len(payload) == size:
             values[:] = torch.tensor(payload, dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(values, Site.AGREEMENT, op=dist.ReduceOp.MAX)
         return [float(v) for v in values]
 
     def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:

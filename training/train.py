@@ -21,6 +21,7 @@ import sys
 import time
 from datetime import timedelta
 from enum import Enum
+from pathlib import Path
 
 import structlog
 import torch
@@ -28,9 +29,10 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from core.escalation import rebalance
+from core.hangs import Site
 from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
-from training import memory
+from training import collectives, memory
 from training.channel import AgentChannel
 from training.checkpoint import CheckpointError, Manifest, within_root
 from training.checkpointer import Checkpointer, Identity
@@ -106,6 +108,7 @@ def train(
     guard.calibrate(params, lambda r: backward(state.step + 1, r, replay=True))
     for step in range(state.step + 1, supervision.config.target_step + 1):
         structlog.contextvars.bind_contextvars(step=step)
+        collectives.at_step(step)
         started = time.perf_counter()
         loss = backward(step, rank, replay=False)
         checks = guard.checks(step, params, functools.partial(backward, step, replay=True))
@@ -114,7 +117,7 @@ def train(
         # One flat all-reduce (SUM: each rank's loss is already its share of the global mean) that
         # also carries the SDC flags and the control vote, so agreeing on them costs no collective.
         flat = flat_grads(params, guard.flags(loss, checks), supervision.votes())
-        dist.all_reduce(flat)
+        collectives.all_reduce(flat, Site.GRADIENTS)
         reduced, flags, votes = flat.split([flat.numel() - FLAGS - VOTES, FLAGS, VOTES])
         verdict = guard.judge(step, loss, params, flags, reduced, checks)  # params: still this rank's gradients
         set_grads(params, reduced)
@@ -175,6 +178,8 @@ class Trainer:
             # On SIGUSR1 every thread's Python stack goes to this file, even while blocked in a collective.
             self.stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
             faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
+        if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):
+            collectives.track(Path(progress_file))  # read by the agent with the stacks: core/hangs.py
 
     def report(self, message: BaseModel) -> None:
         if self.channel is not None:
@@ -201,7 +206,7 @@ class Trainer:
         store, tier = self.join(config, rank, world_size)
         supervision = Supervision(config, rank, world_size, self.channel)
         self.load(config, rank, world_size, tier)
-        faults = FaultInjector(config.faults, rank, config.generation)
+        faults = FaultInjector(config.faults, rank, config.generation, world_size)
         faults.attach(self.state.model)
         checkpointer = self.checkpointer(config, rank, world_size, store, tier, faults)
         guard = SdcGuard(config.sdc, rank, world_size, config.generation, self.state.last_verified)
@@ -240,6 +245,7 @@ class Trainer:
         if config.agent is not None and local_rank == 0:
             memory.publish_hub(store, rank // ranks_per_node, config.agent)
         timeout = timedelta(seconds=self.args.collective_timeout)
+        collectives.begin(config.generation)
         dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         return store, config.memory_tier(store, rank, world_size, ranks_per_node)
 

@@ -58,8 +58,10 @@ async def unreachable(book: RunBook, nodes: dict[str, str]) -> Interruption:
 
 
 async def hang(book: RunBook, event: Hang) -> Interruption:
-    """Alive, no progress: dump every rank's stacks into one file, name the rank whose stack stands
-    out, and take its node out; every rank restarts (a blocked collective cannot be aborted)."""
+    """Alive, no progress: dump every rank's stacks and collective counts into one file, name the
+    rank they point at (core/hangs.py) and take its node out; every rank restarts (a blocked
+    collective cannot be aborted). When nothing tells the ranks apart (every one waits in the same
+    collective), the entry says so and nobody is quarantined: a guess would take out a healthy node."""
     status, spec = book.status, book.spec
     book.move(RunState.DIAGNOSING, f"no step for {event.stalled_s:.0f}s: dumping stacks")
     request = HangInput(
@@ -90,7 +92,7 @@ async def hang(book: RunBook, event: Hang) -> Interruption:
     if interruption.node is not None:  # its self-test first stops the hung rank
         await replace(book, interruption, interruption.node, interruption.line())
     else:
-        interruption.actions.append("no culprit named: every rank restarts on the same nodes")
+        interruption.actions.append("no culprit named: nobody quarantined, every rank restarts on the same nodes")
     return interruption
 
 

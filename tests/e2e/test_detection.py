@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 
 from core.detectors import ABSOLUTE_MIN_EXCESS, SMOOTH_STEPS
 from core.paging import PagingClass
@@ -56,14 +56,66 @@ async def test_a_hang_inside_the_collective_names_the_rank_and_quarantines_its_n
     (artifact,) = hang.artifacts  # one file for the hang, however many ranks
     text = Path(artifact).read_text()
     assert "4 ranks dumped their stacks" in text, "every rank's stacks were kept"
-    stacks = {header.split("  <-")[0]: body for header, body in re.findall(r"== ranks (.*)\n([^=]*)", text)}
+    stacks = stack_groups(text)
     assert "barrier" in stacks["3"] and "barrier" not in stacks["0, 1, 2"]
-    status = await handle.query(RunWorkflow.status_query)
-    assert "n2" not in status.nodes
-    fleet = fleet_handle(client)
-    records = [q for q in await fleet.query(FleetWorkflow.quarantines) if q.node == "n2"]
-    assert any(status.run_id in q.run_ids_affected and "hang" in q.reason for q in records)
+    await assert_quarantined_for_the_hang(client, handle, "n2")
     assert not await handle.query(RunWorkflow.detections)
+
+
+def stack_groups(artifact: str) -> dict[str, str]:
+    """The hang artifact's distinct stacks, by the ranks that share each ("0, 1, 2")."""
+    return {header.split("  <-")[0]: body for header, body in re.findall(r"== ranks (.*)\n([^=]*)", artifact)}
+
+
+async def assert_quarantined_for_the_hang(client: Client, handle: WorkflowHandle, node: str) -> None:
+    status = await handle.query(RunWorkflow.status_query)
+    assert node not in status.nodes
+    records = [q for q in await fleet_handle(client).query(FleetWorkflow.quarantines) if q.node == node]
+    assert any(status.run_id in q.run_ids_affected and "hang" in q.reason for q in records)
+
+
+async def test_a_hang_with_the_same_stack_on_every_rank_is_named_by_collective_counts(
+    client: Client, checkpoint_root: Path
+) -> None:
+    """Rank 3 stalls at the very call site of the gradient all-reduce and never issues it: every
+    rank's stack is the same, and only the counts of collectives entered tell it apart."""
+    faults = [{"kind": "collective_hang", "rank": 3, "at_step": 60}]
+    handle = await start(client, detection_spec(checkpoint_root, target_step=150, faults=faults), "same-stack")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    (hang,) = result.interruptions
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, "n2", 3)
+    assert re.search(r"rank 3 never entered collective #\d+ \(the gradient all-reduce of step 60\)", hang.detail)
+    assert "every rank's main-thread stack is the same" in hang.detail
+    (artifact,) = hang.artifacts
+    text = Path(artifact).read_text()
+    assert "4 ranks dumped their stacks; one main-thread stack, the same on every rank" in text
+    assert re.search(r"step 60, newest: the gradient all-reduce: rank 3  <- behind", text)
+    (stack,) = stack_groups(text).values()  # one group: 0, 1, 2, 3
+    assert "in all_reduce" in stack and "collectives.py" in stack
+    await assert_quarantined_for_the_hang(client, handle, "n2")
+
+
+async def test_a_hang_where_every_rank_is_inside_the_collective_blames_nobody(
+    client: Client, checkpoint_root: Path
+) -> None:
+    """Rank 3 enters the gradient all-reduce and its data is lost on the way: every rank waits in
+    the same collective with the same stack. Nothing names a rank, the timeline says so, and the
+    run restarts on the same nodes with nobody quarantined."""
+    faults = [{"kind": "collective_hang", "rank": 3, "at_step": 60, "where": "inside"}]
+    handle = await start(client, detection_spec(checkpoint_root, target_step=150, faults=faults), "all-inside")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    (hang,) = result.interruptions
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, None, None)
+    assert re.search(
+        r"every rank waits in collective #\d+ \(the gradient all-reduce of step 60\); no rank differs", hang.detail
+    )
+    assert any("no culprit named" in action for action in hang.actions)
+    status = await handle.query(RunWorkflow.status_query)
+    assert status.nodes == ["n1", "n2"], "nobody was taken out"
+    quarantines = await fleet_handle(client).query(FleetWorkflow.quarantines)
+    assert not [q for q in quarantines if status.run_id in q.run_ids_affected]
 
 
 async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(

@@ -1,0 +1,105 @@
+"""Every collective a rank's training issues goes through here, and is counted where its node agent
+can read the count without the rank's help (core/hangs.py reads it to name a hang's culprit).
+
+A rank blocked inside a C++ collective runs no Python signal handler, and its threads may be starved,
+so nothing in the rank can be asked. The counts live instead in a small file the rank memory-maps
+(STAYALIVE_PROGRESS_FILE, next to its stack file): an entered and a completed count per generation,
+the step it computes and where it issued its newest collective, as int64s. The page cache the map
+writes into is what the agent's read sees, at once, whatever the rank is doing. A collective costs
+three stores into the map.
+
+Every rank issues the same collectives in the same order (the loop is synchronous), so equal counts
+mean the same collective on every rank. A process that lives through several generations keeps the
+file it opened (as it keeps its stack file) and starts the counts again at each: a new group numbers
+its collectives from the first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.hangs import COMPLETED, ENTERED, GENERATION, PROGRESS_BYTES, PROGRESS_FIELDS, SITE, STEP, Site
+
+
+@dataclass(frozen=True)
+class _Stall:
+    """An injected collective hang (training/faults.py): the rank's next all-reduce goes to `group`,
+    whose other member never joins, from the same call site as every healthy one."""
+
+    group: dist.ProcessGroup
+    counted: bool  # True: the rank counts it as entered (its data is lost inside the collective)
+
+
+_words: memoryview | None = None  # this rank's progress fields, in the shared map
+_stall: _Stall | None = None
+
+
+def track(path: Path) -> None:
+    """Count this process's collectives into `path` from now on (once per process)."""
+    global _words
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(descriptor, PROGRESS_BYTES)
+        mapped = mmap.mmap(descriptor, PROGRESS_BYTES)  # the map keeps the file open for the process's life
+    finally:
+        os.close(descriptor)
+    _words = memoryview(mapped).cast("q")
+
+
+def begin(generation: int) -> None:
+    """A new generation's group: nothing entered in it yet. The generation reads as none while the
+    counts reset, so a reader never pairs the new generation with the last one's counts."""
+    if _words is not None:
+        _words[GENERATION] = -1
+        for field in range(1, len(PROGRESS_FIELDS)):
+            _words[field] = 0
+        _words[GENERATION] = generation
+
+
+def at_step(step: int) -> None:
+    if _words is not None:
+        _words[STEP] = step
+
+
+def stall_next(group: dist.ProcessGroup, counted: bool) -> None:
+    """Fault injection: this rank's next all-reduce never completes (see _Stall)."""
+    global _stall
+    _stall = _Stall(group, counted)
+
+
+def all_reduce(tensor: torch.Tensor, site: Site, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    global _stall
+    group = None
+    counted = True
+    if _stall is not None:
+        group, counted, _stall = _stall.group, _stall.counted, None
+    if counted:
+        _entered(site)
+    # One call site for the healthy collective and the injected stall: faulthandler's frames of a
+    # stalled rank are those of its peers, which is the case the counters exist for.
+    dist.all_reduce(tensor, op=op, group=group)
+    _completed()
+
+
+def broadcast(tensor: torch.Tensor, src: int, site: Site) -> None:
+    _entered(site)
+    dist.broadcast(tensor, src=src)
+    _completed()
+
+
+def _entered(site: Site) -> None:
+    if _words is not None:
+        _words[ENTERED] += 1
+        _words[SITE] = site
+
+
+def _completed() -> None:
+    if _words is not None:
+        _words[COMPLETED] += 1
