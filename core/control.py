@@ -32,7 +32,7 @@ class Prepare(BaseModel):
 
 class Prepared(BaseModel):
     t: Literal["prepared"] = "prepared"
-    rendezvous: Endpoint | None = None
+    rendezvous: Endpoint | None = None  # the hub through which the store it opened is reached
 
 
 class StartRanks(BaseModel):

@@ -164,7 +164,7 @@ class Checkpointer:
         if self.tier is not None:
             memory.prune(self.tier.directory, self.identity.run_id)
             if self.tier.replica_hub:
-                memory.put(self.tier.replica_hub, self.identity.run_id, name, path)
+                memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, path)
         return path
 
     def _commit(self, staged: _Staged, name: str, tmp: Path) -> None:

@@ -2,7 +2,8 @@
 SQLite), the supervisor worker and one node agent per "node", each its own process on this host.
 
 `stayalive dev up` starts it detached and records it in `<state>/stack.json`; tests start it
-attached, on free ports, and kill or restart its processes one at a time.
+attached, on free ports, and kill or restart its processes one at a time. Its fleet secret is
+`<state>/secret` (made on first start, mode 600).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.secret import create_secret
 from workers.supervisor import connect
 from workflows.fleet import FleetWorkflow, fleet_handle
 
@@ -71,6 +73,10 @@ class DevStack:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def secret_file(self) -> Path:
+        return self.state_dir / "secret"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
@@ -79,6 +85,7 @@ class DevStack:
         return f"http://127.0.0.1:{self.ui_port}" if self.ui_port else None
 
     def start(self) -> None:
+        create_secret(self.secret_file)
         self.start_temporal()
         self.start_supervisor()
         for node in self.nodes:
@@ -143,8 +150,9 @@ class DevStack:
         return answer.returncode == 0 and "SERVING" in answer.stdout
 
     def start_supervisor(self) -> None:
-        metrics = ["--metrics-port", str(self.metrics_port)]
-        self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address, *metrics])
+        argv = [sys.executable, "-m", "workers.supervisor", "--address", self.address]
+        argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(self.metrics_port)]
+        self._spawn("supervisor", argv)
 
     @property
     def memory_dir(self) -> Path:
@@ -156,6 +164,7 @@ class DevStack:
         """A node agent for `node` (a spare if listed in `spares`, unless `spare` says)."""
         spare = node in self.spares if spare is None else spare
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        argv += ["--secret-file", str(self.secret_file)]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         argv += [] if self.fork_server else ["--no-fork-server"]
@@ -205,6 +214,7 @@ class DevStack:
             "metrics": self.metrics_url,
             "nodes": self.nodes,
             "spares": self.spares,
+            "secret_file": str(self.secret_file),
             "pids": {name: p.pid for name, p in self.processes.items()},
         }
         (self.state_dir / "stack.json").write_text(json.dumps(record, indent=1))

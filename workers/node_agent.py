@@ -4,7 +4,10 @@ self-test when the fleet asks. Everything it does for the supervisor arrives at 
 port): it is not a Temporal worker, so 2,048 agents open no long polls at all. It tells the fleet
 where its hub listens when it starts.
 
-    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233
+    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233 --secret-file secret
+
+The hub answers only holders of the fleet's secret (workers/secret.py) and, for a run's own doors,
+its ranks' token.
 
 A dead agent is how the run learns its host is gone (its hub falls silent), so the agent does
 nothing clever to stay up: its ranks die with it.
@@ -29,6 +32,7 @@ from agent.hub import NodeHub
 from agent.node import NodeAgent
 from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
 from training.logs import configure_logging
+from workers.secret import add_secret_flag, load_secret
 from workers.supervisor import connect
 from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE
@@ -76,8 +80,8 @@ async def register(client: Client, node: str, rack: str, spare: bool, hub: str) 
             return
 
 
-async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
-    hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
+async def serve(args: argparse.Namespace, secret: bytes, memory_dir: Path) -> None:
+    hub = NodeHub(args.node, args.host, memory_dir, secret, args.advertise)
     await hub.start()
     node_dir = args.state_dir / "nodes" / args.node
     forks = ForkServer(node_dir) if args.fork_server else None
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--spare", action="store_true", help="a hot spare: kept idle to replace a failed node")
     parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
     parser.add_argument("--namespace", default="default")
+    add_secret_flag(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address the hub and rendezvous store listen on")
     parser.add_argument("--advertise", default=None, help="address other hosts reach this one at (default --host)")
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
@@ -122,7 +127,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     configure_logging(node=args.node)
-    asyncio.run(serve(args, args.memory_dir or default_memory_dir(args.node)))
+    asyncio.run(serve(args, load_secret(args.secret_file), args.memory_dir or default_memory_dir(args.node)))
 
 
 if __name__ == "__main__":

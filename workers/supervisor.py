@@ -1,6 +1,8 @@
 """The supervisor worker: RunWorkflow, FleetWorkflow and the run-level activities, on task queue `stayalive`.
 
-    python -m workers.supervisor --address 127.0.0.1:7233 --metrics-port 9464
+    python -m workers.supervisor --address 127.0.0.1:7233 --secret-file secret --metrics-port 9464
+
+The fleet's secret (workers/secret.py) is what the node agents' hubs take for its requests.
 
 It holds no state of its own: kill it and start another, and Temporal hands it the same runs. Its
 `/metrics` serves every open run's goodput ledger, interruptions, step times and checkpoint interval
@@ -31,6 +33,7 @@ from activities.nodes import NodeActivities
 from activities.paging import deliver_webhook, page
 from core.fleet_requests import fleet_id
 from training.logs import configure_logging
+from workers.secret import add_secret_flag, load_secret
 from workflows.fleet import FleetInput, FleetWorkflow
 from workflows.run import TASK_QUEUE, RunWorkflow
 
@@ -75,12 +78,12 @@ async def ensure_fleet(client: Client, cluster: str = "default") -> None:
 METRICS_PORT = 9464  # the Prometheus exporters' customary default
 
 
-def activities(client: Client) -> list[Callable[..., Any]]:
+def activities(client: Client, secret: bytes) -> list[Callable[..., Any]]:
     """Every activity of RunWorkflow and FleetWorkflow: the node agents are reached from here."""
     fleet = FleetActivities(client)
-    nodes = NodeActivities(fleet)
+    nodes = NodeActivities(fleet, secret)
     return [
-        MonitorActivities(fleet).monitor_run,
+        MonitorActivities(fleet, secret).monitor_run,
         choose_checkpoint,
         nodes.launch,
         nodes.command,
@@ -93,13 +96,15 @@ def activities(client: Client) -> list[Callable[..., Any]]:
     ]
 
 
-async def serve(address: str, namespace: str, metrics_port: int, metrics_host: str = "127.0.0.1") -> None:
+async def serve(
+    address: str, namespace: str, secret: bytes, metrics_port: int, metrics_host: str = "127.0.0.1"
+) -> None:
     client = await connect(address, namespace)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow, FleetWorkflow],
-        activities=activities(client),
+        activities=activities(client, secret),
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
@@ -121,11 +126,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m workers.supervisor", description=__doc__)
     parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
     parser.add_argument("--namespace", default="default")
+    add_secret_flag(parser)
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="serve /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 lets a Prometheus on another host scrape")
     args = parser.parse_args()
     configure_logging(node="supervisor")
-    asyncio.run(serve(args.address, args.namespace, args.metrics_port, args.metrics_host))
+    secret = load_secret(args.secret_file)
+    asyncio.run(serve(args.address, args.namespace, secret, args.metrics_port, args.metrics_host))
 
 
 if __name__ == "__main__":
