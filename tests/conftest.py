@@ -16,7 +16,7 @@ from temporalio.client import Client
 from tests.helpers import NODES, ROOT, Webhook
 from workers.devstack import DevStack, free_port
 from workers.secret import SECRET_ENV
-from workers.supervisor import connect
+from workers.temporal import connect, plain
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
 @pytest.fixture(scope="session")
 async def client(stack: DevStack) -> AsyncIterator[Client]:
     await stack.ready()
-    yield await connect(stack.address)
+    yield await connect(plain(stack.address))
 
 
 @pytest.fixture

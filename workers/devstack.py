@@ -3,7 +3,8 @@ SQLite), the supervisor worker and one node agent per "node", each its own proce
 
 `stayalive dev up` starts it detached and records it in `<state>/stack.json`; tests start it
 attached, on free ports, and kill or restart its processes one at a time. Its fleet secret is
-`<state>/secret` (made on first start, mode 600).
+`<state>/secret` (made on first start, mode 600). Its server is plain: the TEMPORAL_* settings of the
+shell that starts it are not passed on, as they are for another server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.secret import create_secret
-from workers.supervisor import connect
+from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
 
 
@@ -96,7 +97,7 @@ class DevStack:
     async def ready(self, timeout: float = 60.0) -> None:
         """Wait until every node agent has registered with the fleet: before that, a run would be
         refused the nodes whose agents are still starting."""
-        client = await connect(self.address)
+        client = await connect(plain(self.address))
         fleet = fleet_handle(client)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -144,7 +145,7 @@ class DevStack:
             return False
         health = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
         try:
-            answer = subprocess.run(health, capture_output=True, text=True, timeout=10)
+            answer = subprocess.run(health, capture_output=True, text=True, timeout=10, env=_plain_env())
         except subprocess.TimeoutExpired:
             return False
         return answer.returncode == 0 and "SERVING" in answer.stdout
@@ -201,7 +202,7 @@ class DevStack:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                env=_plain_env() | {"PYTHONUNBUFFERED": "1"},
                 start_new_session=self.detach,  # a detached stack outlives the command that started it
             )
 
@@ -246,6 +247,12 @@ class DevStack:
                 _wait_gone(pids[name])
         path.unlink()
         return stopped
+
+
+def _plain_env() -> dict[str, str]:
+    """This environment without the temporal CLI's connection settings (TLS, an API key, another
+    address), which are not for the dev stack's own plain server."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("TEMPORAL_")}
 
 
 def process_alive(pid: int) -> bool:

@@ -2,7 +2,8 @@
 
     python -m workers.supervisor --address 127.0.0.1:7233 --secret-file secret --metrics-port 9464
 
-The fleet's secret (workers/secret.py) is what the node agents' hubs take for its requests.
+Temporal's address, namespace and TLS settings are the temporal CLI's (workers/temporal.py); the
+fleet's secret (workers/secret.py) is what the node agents' hubs take for its requests.
 
 It holds no state of its own: kill it and start another, and Temporal hands it the same runs. Its
 `/metrics` serves every open run's goodput ledger, interruptions, step times and checkpoint interval
@@ -22,7 +23,7 @@ from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConnectConfig
 from temporalio.worker import Worker
 
 from activities.checkpoints import choose_checkpoint, test_loader
@@ -34,14 +35,11 @@ from activities.paging import deliver_webhook, page
 from core.fleet_requests import fleet_id
 from training.logs import configure_logging
 from workers.secret import add_secret_flag, load_secret
+from workers.temporal import add_temporal_flags, client_config, connect
 from workflows.fleet import FleetInput, FleetWorkflow
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 log = structlog.get_logger()
-
-
-async def connect(address: str, namespace: str = "default") -> Client:
-    return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
 
 
 # The web UI lists runs by these (RunWorkflow upserts them): state, step, goodput.
@@ -97,9 +95,9 @@ def activities(client: Client, secret: bytes) -> list[Callable[..., Any]]:
 
 
 async def serve(
-    address: str, namespace: str, secret: bytes, metrics_port: int, metrics_host: str = "127.0.0.1"
+    temporal: ClientConnectConfig, secret: bytes, metrics_port: int, metrics_host: str = "127.0.0.1"
 ) -> None:
-    client = await connect(address, namespace)
+    client = await connect(temporal)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
@@ -114,7 +112,13 @@ async def serve(
     exporter = Exporter()
     exporter.serve(metrics_port, host=metrics_host)
     metrics = asyncio.create_task(refresh(client, exporter))
-    log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE, metrics_port=metrics_port)
+    log.info(
+        "supervisor worker started",
+        address=temporal.get("target_host"),
+        tls=bool(temporal.get("tls")),
+        task_queue=TASK_QUEUE,
+        metrics_port=metrics_port,
+    )
     try:
         await worker.run()
     finally:
@@ -123,16 +127,20 @@ async def serve(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.supervisor", description=__doc__)
-    parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
-    parser.add_argument("--namespace", default="default")
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.supervisor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_temporal_flags(parser)
     add_secret_flag(parser)
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="serve /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 lets a Prometheus on another host scrape")
     args = parser.parse_args()
     configure_logging(node="supervisor")
-    secret = load_secret(args.secret_file)
-    asyncio.run(serve(args.address, args.namespace, secret, args.metrics_port, args.metrics_host))
+    try:
+        temporal = client_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(temporal, load_secret(args.secret_file), args.metrics_port, args.metrics_host))
 
 
 if __name__ == "__main__":
