@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--spare", action="store_true", help="a hot spare: kept idle to replace a failed node")
     add_temporal_flags(parser)
     add_secret_flag(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address the hub and rendezvous store listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="address the hub listens on (the store: loopback only)")
     parser.add_argument("--advertise", default=None, help="address other hosts reach this one at (default --host)")
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
     parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
