@@ -188,7 +188,7 @@ class Handover:
 
 
 async def keep_checkpoints(
-    input: MonitorInput, keeper: KeeperInput, hubs: dict[str, str], beat: Heartbeat, handover: Handover
+    input: MonitorInput, keeper: KeeperInput, hubs: dict[str, str], secret: bytes, beat: Heartbeat, handover: Handover
 ) -> None:
     """Judge each checkpoint the generation commits, delete what retention drops, hand over the
     verdict. Its place in each node's stream is kept by the node (reader `keep/g<generation>`), so a
@@ -198,7 +198,7 @@ async def keep_checkpoints(
     subscribe = Subscribe(
         run_id=input.run_id, reader=f"keep/g{input.generation}", generation=input.generation, only=["committed"]
     )
-    async with NodeStreams(subscribe, hubs) as streams:
+    async with NodeStreams(subscribe, hubs, secret) as streams:
         while True:
             record = await streams.next(timeout=1.0)
             if record is not None and isinstance(message := record.message, CheckpointCommitted):

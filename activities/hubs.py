@@ -1,15 +1,17 @@
 """Talking to node agents from the supervisor: one request, one answer, on a connection of its own
 to the agent's hub (core.control), and the same request to many agents at once, a bounded number in
 flight. An agent that does not answer in time is reported by name, never raised: to a run, a node
-that does not answer is a lost node."""
+that does not answer is a lost node. Every connection first proves it holds the fleet's secret
+(core.access)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from core.access import knock
 from core.control import AgentAnswer, Refused, agent_answer
 from core.launch import Endpoint
 
@@ -22,20 +24,33 @@ class NoAnswer(Exception):
     """The agent could not be reached, did not answer in time, or refused."""
 
 
-async def ask(hub: str, request: BaseModel, within: float) -> AgentAnswer:
-    """`request` to the agent at `hub`; its answer within `within` seconds, or NoAnswer saying why."""
+async def open_hub(hub: str, opening: BaseModel, key: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the hub at `hub` (host:port) that has answered its challenge with `key` and
+    said `opening`. Raises OSError, or pydantic's ValidationError when what answered is no hub."""
     address = Endpoint.parse(hub)
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    try:
+        writer.write(knock(await reader.readline(), key, opening))
+        await writer.drain()
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
+
+
+async def ask(hub: str, request: BaseModel, within: float, secret: bytes) -> AgentAnswer:
+    """`request` to the agent at `hub`; its answer within `within` seconds, or NoAnswer saying why."""
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(within):
-            reader, writer = await asyncio.open_connection(address.host, address.port)
-            writer.write(request.model_dump_json().encode() + b"\n")
-            await writer.drain()
+            reader, writer = await open_hub(hub, request, secret)
             line = await reader.readline()
     except TimeoutError:
         raise NoAnswer(f"no answer within {within:g}s") from None
     except OSError as exc:
         raise NoAnswer(f"unreachable at {hub}: {exc.strerror or exc}") from None
+    except ValidationError:
+        raise NoAnswer(f"what answered at {hub} is not a node agent's hub") from None
     finally:
         if writer is not None:
             writer.close()
@@ -48,7 +63,7 @@ async def ask(hub: str, request: BaseModel, within: float) -> AgentAnswer:
 
 
 async def ask_each(
-    hubs: dict[str, str], nodes: Iterable[str], request: Callable[[str], BaseModel], within: float
+    hubs: dict[str, str], nodes: Iterable[str], request: Callable[[str], BaseModel], within: float, secret: bytes
 ) -> tuple[dict[str, AgentAnswer], dict[str, str]]:
     """`request(node)` to every node's agent, IN_FLIGHT at a time: the answers, and for every node
     that gave none (or has no known hub) the reason."""
@@ -63,7 +78,7 @@ async def ask_each(
             return
         async with limit:
             try:
-                answers[node] = await ask(hub, request(node), within)
+                answers[node] = await ask(hub, request(node), within, secret)
             except NoAnswer as exc:
                 missing[node] = str(exc)
 

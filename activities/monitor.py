@@ -63,8 +63,9 @@ def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
 
 
 class MonitorActivities:
-    def __init__(self, fleet: FleetActivities) -> None:
+    def __init__(self, fleet: FleetActivities, secret: bytes) -> None:
         self.fleet = fleet  # where each node agent's hub listens
+        self.secret = secret  # the fleet's: what the hubs take for a run's records
 
     @activity.defn
     async def monitor_run(self, input: MonitorInput) -> MonitorReport:
@@ -72,9 +73,11 @@ class MonitorActivities:
         what the detectors find and each checkpoint's verdict."""
         hubs = await self.fleet.hubs(input.nodes)
         beat, handover = Heartbeat(), Handover()
-        watching = asyncio.create_task(watch(input, hubs, beat, handover))
+        watching = asyncio.create_task(watch(input, hubs, self.secret, beat, handover))
         keeping = asyncio.create_task(
-            keep_checkpoints(input, input.keeper, hubs, beat, handover) if input.keeper else asyncio.Event().wait()
+            keep_checkpoints(input, input.keeper, hubs, self.secret, beat, handover)
+            if input.keeper
+            else asyncio.Event().wait()
         )
         try:
             await asyncio.wait([watching, keeping], return_when=asyncio.FIRST_COMPLETED)
@@ -87,7 +90,9 @@ class MonitorActivities:
             await asyncio.gather(watching, keeping, return_exceptions=True)
 
 
-async def watch(input: MonitorInput, hubs: dict[str, str], beat: Heartbeat, handover: Handover) -> MonitorReport:
+async def watch(
+    input: MonitorInput, hubs: dict[str, str], secret: bytes, beat: Heartbeat, handover: Handover
+) -> MonitorReport:
     """Fold every record and step frame into the generation's watch; signal its findings; return what
     ended it. Records are acknowledged to their nodes with each heartbeat, never past an ending."""
     now = time.monotonic()
@@ -100,7 +105,7 @@ async def watch(input: MonitorInput, hubs: dict[str, str], beat: Heartbeat, hand
         only=None if input.hooks else ["started", "exited"],  # a plain script says nothing itself
     )
     next_beat = next_tick = 0.0
-    async with NodeStreams(subscribe, hubs, on_frame=seen.ingest.add) as streams:
+    async with NodeStreams(subscribe, hubs, secret, on_frame=seen.ingest.add) as streams:
         seen.heard = streams.heard  # anything a node sends counts as hearing from it
         while True:
             first = await streams.next(timeout=TICK_SECONDS)

@@ -55,8 +55,9 @@ HEARTBEAT_S = 5.0
 
 
 class NodeActivities:
-    def __init__(self, fleet: FleetActivities) -> None:
+    def __init__(self, fleet: FleetActivities, secret: bytes) -> None:
         self.fleet = fleet
+        self.secret = secret  # the fleet's: what the agents' hubs take for the supervisor's requests
 
     @activity.defn
     async def launch(self, request: Launch) -> Launched:
@@ -75,6 +76,7 @@ class NodeActivities:
                 ranks_per_node=request.ranks_per_node,
             ),
             request.answer_within,
+            self.secret,
         )
         refused = {node: a.refused for node, a in ready.items() if isinstance(a, Prepared) and a.refused}
         if missing or refused:
@@ -93,6 +95,7 @@ class NodeActivities:
             nodes,
             lambda node: StartRanks(launch=NodeLaunch.of(request, index[node], prepared.rendezvous)),  # type: ignore[arg-type]
             request.answer_within + START_ALLOWANCE_S,
+            self.secret,
         )
         log.info(
             "generation launched",
@@ -113,6 +116,7 @@ class NodeActivities:
             request.nodes,
             lambda _: SendCommand(run_id=request.run_id, command=request.command),
             COMMAND_WITHIN_S,
+            self.secret,
         )
         if missing:
             log.warning("command not delivered everywhere", run_id=request.run_id, unreachable=sorted(missing))
@@ -124,7 +128,7 @@ class NodeActivities:
         A node whose agent is gone has nothing left to release."""
         hubs = await self.fleet.hubs(request.nodes)
         released, missing = await ask_each(
-            hubs, request.nodes, lambda _: ReleaseRun(run_id=request.run_id), RELEASE_WITHIN_S
+            hubs, request.nodes, lambda _: ReleaseRun(run_id=request.run_id), RELEASE_WITHIN_S, self.secret
         )
         if missing:
             log.warning("release: nodes did not answer", run_id=request.run_id, unreachable=sorted(missing))
@@ -138,7 +142,7 @@ class NodeActivities:
         hubs = await self.fleet.hubs(request.nodes)
         async with _heartbeating():
             dumps, missing = await ask_each(
-                hubs, request.nodes, lambda _: DumpStacks(run_id=request.run_id), STACKS_WITHIN_S
+                hubs, request.nodes, lambda _: DumpStacks(run_id=request.run_id), STACKS_WITHIN_S, self.secret
             )
         answered = [d for d in dumps.values() if isinstance(d, StackDump)]
         stacks = {rank: text for d in answered for rank, text in d.stacks.items()}
@@ -165,7 +169,7 @@ class NodeActivities:
             while True:
                 hub = (await self.fleet.hubs([input.node])).get(input.node, input.hub)
                 try:
-                    answer = await ask(hub, RunSelfTest(node=input.node), SELF_TEST_LIMIT_S)
+                    answer = await ask(hub, RunSelfTest(node=input.node), SELF_TEST_LIMIT_S, self.secret)
                 except NoAnswer as exc:
                     if asyncio.get_running_loop().time() < deadline and "unreachable" in str(exc):
                         await asyncio.sleep(1.0)

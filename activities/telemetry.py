@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable
 
 import structlog
+from pydantic import ValidationError
 
-from core.launch import Endpoint
+from activities.hubs import open_hub
+from core.control import Refused
 from core.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
 
 log = structlog.get_logger()
@@ -27,10 +29,12 @@ class NodeStreams:
         self,
         subscribe: Subscribe,
         hubs: dict[str, str],
+        secret: bytes,
         on_frame: Callable[[bytes], None] = lambda _: None,
     ) -> None:
         self.subscribe = subscribe  # the same for every node: the run, this reader's name, what it wants
         self.hubs = hubs  # node → where its agent's hub listens
+        self.secret = secret  # the fleet's: a hub streams a run's records only to its holders
         self.on_frame = on_frame
         self.records: asyncio.Queue[Record] = asyncio.Queue()
         self.heard = dict.fromkeys(hubs, time.monotonic())  # node → when it last sent anything
@@ -73,15 +77,12 @@ class NodeStreams:
 
     async def _follow(self, node: str, hub: str) -> None:
         """Stream one node's records, reconnecting (from where this reader acknowledged) if the line drops."""
-        address = Endpoint.parse(hub)
         packed = self.subscribe.packed_ranks
         size = steps_frame(packed).itemsize if packed is not None else 0
         backoff = 0.2
         while True:
             try:
-                reader, writer = await asyncio.open_connection(address.host, address.port)
-                writer.write(self.subscribe.model_dump_json().encode() + b"\n")
-                await writer.drain()
+                reader, writer = await open_hub(hub, self.subscribe, self.secret)
                 self._writers[node], self._acked[node] = writer, 0
                 backoff = 0.2
                 while mark := await reader.read(1):
@@ -95,10 +96,12 @@ class NodeStreams:
                     if line.startswith(b'{"t":"beat"'):
                         Beat.model_validate_json(line)  # the agent is alive; nothing to file
                         continue
+                    if line.startswith(b'{"t":"refused"'):
+                        raise ConnectionRefusedError(Refused.model_validate_json(line).error)
                     record = Record.model_validate_json(line)
                     self.read[node] = record.seq
                     await self.records.put(record)
-            except (OSError, asyncio.IncompleteReadError) as exc:
+            except (OSError, asyncio.IncompleteReadError, ValidationError) as exc:
                 log.warning("node telemetry unreachable", run_id=self.subscribe.run_id, node=node, error=str(exc))
             finally:
                 self._writers.pop(node, None)

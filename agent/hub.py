@@ -6,13 +6,20 @@
 - A rank on another host (PutFile, GetFile): a checkpoint shard into or out of the host-memory tier.
 - The supervisor (core.control's requests): launch, command, dump stacks, release, self-test; one
   JSON line answered by one.
+- A node agent's relay, for a rank on another host (OpenStore): a connection to the generation's
+  rendezvous store, which listens on this host's loopback only (agent/relay.py).
 Everything else is one JSON object per line.
+
+Before any of it the caller proves it holds a key (core.access): a rank its run's token, for its own
+run only; the supervisor the fleet's secret. A caller that cannot is answered Refused, logged, and
+hung up on, and nothing it sent is acted on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,6 +29,8 @@ import structlog
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from agent.channel import RunChannel
+from agent.relay import LOOPBACK, splice
+from core.access import Challenge, Proof, proven, run_token
 from core.control import AgentAnswer, AgentRequest, Refused
 from core.launch import Endpoint
 from core.telemetry import (
@@ -33,8 +42,10 @@ from core.telemetry import (
     GetFile,
     Hello,
     NodeSteps,
+    OpenStore,
     PutFile,
     Record,
+    StoreOpened,
     Subscribe,
     pack_steps,
     rank_message,
@@ -45,19 +56,27 @@ from training.memory import memory_path
 log = structlog.get_logger()
 
 BEAT_SECONDS = 1.0
-Opening = Annotated[Union[Hello, Subscribe, PutFile, GetFile, AgentRequest], Field(discriminator="t")]  # noqa: UP007
+HANDSHAKE_SECONDS = 10.0  # a caller that does not prove itself by then is hung up on
+Opening = Annotated[
+    Union[Hello, Subscribe, PutFile, GetFile, OpenStore, AgentRequest],  # noqa: UP007
+    Field(discriminator="t"),
+]
 _opening = TypeAdapter(Opening)
 Answerer = Callable[[AgentRequest], Awaitable[AgentAnswer]]
+RUN_DOORS = (Hello, PutFile, GetFile, OpenStore)  # a rank's openings: its run's token opens them
 
 
 class NodeHub:
-    def __init__(self, node: str, host: str, memory_dir: Path, advertise: str | None = None) -> None:
+    def __init__(self, node: str, host: str, memory_dir: Path, secret: bytes, advertise: str | None = None) -> None:
         self.node = node
         self.host = host
         self.memory_dir = memory_dir
+        self.secret = secret  # the fleet's: it opens the supervisor's doors, and each run's token derives from it
         self.advertise = advertise or host
         self.runs: dict[str, RunChannel] = {}
         self.answer: Answerer | None = None  # the agent's handler of the supervisor's requests
+        # The agent's: (run, generation) → the loopback port of the rendezvous store it hosts, if it does.
+        self.store_port: Callable[[str, int], int | None] = lambda run_id, generation: None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> Endpoint:
@@ -99,7 +118,9 @@ class NodeHub:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            first = _opening.validate_json(await reader.readline())
+            first = await self._admit(reader, writer)
+            if first is None:
+                return
             if isinstance(first, Subscribe):
                 await self._stream(first, reader, writer)
             elif isinstance(first, PutFile):
@@ -108,12 +129,51 @@ class NodeHub:
                 await self._serve_file(first, writer)
             elif isinstance(first, Hello):
                 await self._receive(first, reader, writer)
+            elif isinstance(first, OpenStore):
+                await self._open_store(first, reader, writer)
             else:
                 await self._answer(first, writer)
-        except (ConnectionError, ValidationError, CheckpointError, asyncio.IncompleteReadError) as exc:
+        except (ConnectionError, ValidationError, CheckpointError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.warning("hub connection dropped", node=self.node, error=str(exc))
         finally:
             writer.close()
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Opening | None:
+        """The caller's opening, if it proved it holds the key that opening takes; None once a caller
+        who did not is answered Refused (and logged)."""
+        nonce = secrets.token_hex(16)
+        writer.write(Challenge(nonce=nonce).model_dump_json().encode() + b"\n")
+        await writer.drain()
+        async with asyncio.timeout(HANDSHAKE_SECONDS):
+            try:
+                proof = Proof.model_validate_json(await reader.readline())
+            except ValidationError:
+                await self._refuse(writer, None, "no proof of a key: the hub answers only the fleet and its runs")
+                return None
+            opening = _opening.validate_json(await reader.readline())
+        if not proven(self._key(opening), nonce, proof):
+            door = "this run's token" if isinstance(opening, RUN_DOORS) else "the fleet's secret"
+            await self._refuse(writer, opening, f"not authorized: {opening.t} takes {door}")
+            return None
+        return opening
+
+    def _key(self, opening: Opening) -> bytes:
+        """A rank's opening takes its own run's token; the supervisor's (requests, subscriptions) the fleet's secret."""
+        if isinstance(opening, RUN_DOORS):
+            return run_token(self.secret, opening.run_id).encode()
+        return self.secret
+
+    async def _refuse(self, writer: asyncio.StreamWriter, opening: Opening | None, why: str) -> None:
+        log.warning(
+            "hub refused a caller",
+            node=self.node,
+            peer=str(writer.get_extra_info("peername")),
+            run_id=getattr(opening, "run_id", None),
+            opening=None if opening is None else opening.t,
+            reason=why,
+        )
+        writer.write(Refused(error=f"{self.node}: {why}").model_dump_json().encode() + b"\n")
+        await writer.drain()
 
     async def _receive(self, hello: Hello, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = self.run(hello.run_id)
@@ -156,6 +216,16 @@ class NodeHub:
                     writer.write(chunk)
                     await writer.drain()
         await writer.drain()
+
+    async def _open_store(self, request: OpenStore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Join the caller to the generation's rendezvous store on this host's loopback."""
+        port = self.store_port(request.run_id, request.generation)
+        if port is None:
+            await self._refuse(writer, request, f"no rendezvous store of generation {request.generation} here")
+            return
+        store = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(StoreOpened().model_dump_json().encode() + b"\n")
+        await splice((reader, writer), store)
 
     async def _answer(self, request: AgentRequest, writer: asyncio.StreamWriter) -> None:
         """One request from the supervisor, one answer; a failure is answered, not dropped."""

@@ -27,7 +27,9 @@ from agent.forkserver import ForkServers
 from agent.gpu import GpuTelemetry
 from agent.hub import NodeHub
 from agent.processes import RankProcess, start_rank, stop_ranks
+from agent.relay import StoreRelay, loopback_store
 from agent.selftest import SelfTest
+from core.access import run_token
 from core.control import (
     AgentAnswer,
     AgentRequest,
@@ -46,8 +48,8 @@ from core.control import (
 )
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
 from core.hangs import CollectiveProgress
-from core.launch import Endpoint, NodeLaunch, rank_env
-from core.telemetry import GpuReport, RankExited, RankStarted, Rejoin
+from core.launch import NodeLaunch, rank_env
+from core.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
 
 log = structlog.get_logger()
 
@@ -99,10 +101,12 @@ class NodeAgent:
         self.hub = hub
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
-        self.stores: dict[str, dist.TCPStore] = {}
+        self.stores: dict[str, tuple[int, dist.TCPStore]] = {}  # run → (generation, the store this node hosts for it)
+        self.relays: dict[str, StoreRelay] = {}  # run → where this node's ranks reach its generation's store
         self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
         self._starting = asyncio.Lock()  # one launch at a time: a retried one must find the first's ranks
         hub.answer = self.answer
+        hub.store_port = self.store_port
 
     async def answer(self, request: AgentRequest) -> AgentAnswer:
         if isinstance(request, Prepare):
@@ -127,11 +131,24 @@ class NodeAgent:
         if request.open_store:
             # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.
             self.stores.pop(request.run_id, None)
-            store = dist.TCPStore(self.hub.host, 0, is_master=True, wait_for_workers=False)
-            self.stores[request.run_id] = store
-            rendezvous = Endpoint(host=self.hub.advertise, port=store.port)
+            self.stores[request.run_id] = (request.generation, loopback_store())
+            rendezvous = self.hub.endpoint  # the store is reached through this hub (agent/relay.py)
         log.info("generation prepared", run_id=request.run_id, node=self.node, generation=request.generation)
         return Prepared(rendezvous=rendezvous)
+
+    def store_port(self, run_id: str, generation: int) -> int | None:
+        """The loopback port of the generation's store, if this node hosts it (the hub joins callers to it)."""
+        generation_here, store = self.stores.get(run_id, (None, None))
+        return store.port if store is not None and generation_here == generation else None
+
+    async def _open_relay(self, launch: NodeLaunch) -> None:
+        """Where this node's ranks of the generation reach its store (their MASTER_ADDR:MASTER_PORT)."""
+        if (old := self.relays.pop(launch.run_id, None)) is not None:
+            old.close()
+        opening = OpenStore(run_id=launch.run_id, generation=launch.generation)
+        relay = StoreRelay(launch.rendezvous, opening, run_token(self.hub.secret, launch.run_id))
+        await relay.start()
+        self.relays[launch.run_id] = relay
 
     async def start(self, launch: NodeLaunch) -> Started:
         """Start this node's ranks of a generation: survivors of a hold take their new places, the rest
@@ -143,6 +160,7 @@ class NodeAgent:
             if current:
                 return Started(pids={r.rank: r.pid for r in current})
             self.hub.run(launch.run_id).begin(launch.generation, launch.ranks)
+            await self._open_relay(launch)
             carried = await self._rejoin(launch) if launch.rejoin else []
             await stop_ranks([r for r in self.ranks.get(launch.run_id, []) if r not in carried])
             self.ranks[launch.run_id] = carried
@@ -187,6 +205,8 @@ class NodeAgent:
         running = sum(r.exit_code is None for r in ranks)
         await stop_ranks(ranks)
         self.stores.pop(run_id, None)
+        if (relay := self.relays.pop(run_id, None)) is not None:
+            relay.close()
         self.hub.runs.pop(run_id, None)
         shutil.rmtree(self.hub.memory_dir / run_id, ignore_errors=True)
         log.info("run released", run_id=run_id, node=self.node, stopped=running)
@@ -238,8 +258,10 @@ class NodeAgent:
 
     def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
-        return rank_env(launch, local_rank) | {
+        return rank_env(launch, local_rank, self.relays[launch.run_id].endpoint) | {
             "STAYALIVE_AGENT": str(self.hub.endpoint),
+            # What opens this run's doors at any hub (its own node's, its replica's): Hello, PutFile, GetFile.
+            "STAYALIVE_RUN_TOKEN": run_token(self.hub.secret, launch.run_id),
             "STAYALIVE_NODE": self.node,
             "STAYALIVE_MEMORY_DIR": str(self.hub.memory_dir),
             # Where the rank dumps its Python stacks on SIGUSR1 (next to its log: RankProcess.stack_path).

@@ -106,7 +106,7 @@ def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
         store=dist.HashStore(),
         identity=Identity(run_id="bench/00000000", generation=0, config_digest="bench", model={}, global_batch=1),
         # One rank on one node: no agent serves this tier (nothing fetches from it), and no replica.
-        tier=MemoryTier(directory=tmpfs, hub="127.0.0.1:0", replica_hub=None),
+        tier=MemoryTier(directory=tmpfs, hub="127.0.0.1:0", replica_hub=None, token=""),
         faults=FaultInjector([], 0, 0),
         on_commit=lambda manifest, path: None,
     )

@@ -47,7 +47,7 @@ from core.faults import Crash
 from core.run import RunState
 from core.spec import RunSpec
 from workers.devstack import DevStack, free_port
-from workers.supervisor import connect
+from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, RunWorkflow
 
@@ -124,7 +124,7 @@ async def stayalive_trials(runs: int, crash_step: int, fork_server: bool, root: 
     stack.start()
     try:
         await stack.ready()
-        client = await connect(stack.address)
+        client = await connect(plain(stack.address))
         trials = []
         for i in range(runs):
             await fleet_idle(client, stack.nodes)

@@ -42,6 +42,7 @@ from bench.interleaved import (
     report,
     timed_block,
 )
+from core.access import Challenge
 from core.spec import SdcSpec
 from core.telemetry import Hello
 from training.channel import AgentChannel
@@ -75,7 +76,8 @@ def blocks(rank: int, trainer: Trainer, store: dist.Store, count: int, directory
     config = SupervisionConfig(run_id="bench-supervision", generation=0, target_step=0, checkpoint_dir=Path(directory))
     faults = FaultInjector([], rank, 0)
     checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, store, None, faults)
-    channel = AgentChannel(os.environ[SINK], Hello(run_id=config.run_id, rank=rank, generation=0, pid=os.getpid()))
+    hello = Hello(run_id=config.run_id, rank=rank, generation=0, pid=os.getpid())
+    channel = AgentChannel(os.environ[SINK], hello, token="")  # the sink checks no proof
     guard = SdcGuard(SdcSpec(enabled=False), rank, WORLD_SIZE, 0, 0)
     for cycle in range(count):
         for name in PLAN:
@@ -97,6 +99,7 @@ def serve_sink() -> str:
 
     def drain(connection: socket.socket) -> None:
         with connection:
+            connection.sendall(Challenge(nonce="0").model_dump_json().encode() + b"\n")  # as a hub opens
             while connection.recv(1 << 16):
                 pass
 

@@ -37,7 +37,7 @@ class Prepare(BaseModel):
 
 class Prepared(BaseModel):
     t: Literal["prepared"] = "prepared"
-    rendezvous: Endpoint | None = None
+    rendezvous: Endpoint | None = None  # the hub through which the store it opened is reached
     refused: str | None = None  # why this node cannot run the generation (e.g. NCCL without CUDA)
 
 

@@ -80,7 +80,7 @@ class NodeLaunch(BaseModel):
     generation: int
     ranks: list[int]
     world_size: int
-    rendezvous: Endpoint
+    rendezvous: Endpoint  # the hub of the agent that hosts the generation's store
     entrypoint: list[str]
     env: dict[str, str]
     rejoin: bool = False
@@ -174,7 +174,9 @@ def supervision_env(
     return env
 
 
-def rank_env(launch: NodeLaunch, local_rank: int) -> dict[str, str]:
+def rank_env(launch: NodeLaunch, local_rank: int, store: Endpoint) -> dict[str, str]:
+    """The torchrun environment of one rank; `store` is where it reaches the generation's rendezvous
+    store: its own node agent's relay, not the store itself (agent/relay.py)."""
     rank = launch.ranks[local_rank]
     return {
         **launch.env,
@@ -185,8 +187,8 @@ def rank_env(launch: NodeLaunch, local_rank: int) -> dict[str, str]:
         "GROUP_RANK": str(rank // max(1, len(launch.ranks))),
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(launch.world_size),
-        "MASTER_ADDR": launch.rendezvous.host,
-        "MASTER_PORT": str(launch.rendezvous.port),
+        "MASTER_ADDR": store.host,
+        "MASTER_PORT": str(store.port),
         # The node agent hosts the store, as torchrun's agent does; the restart count gives every
         # generation a fresh key namespace, which is what makes gloo re-rendezvous reliable.
         "TORCHELASTIC_USE_AGENT_STORE": "True",

@@ -349,5 +349,19 @@ class FileHeader(_Message):
     size: int  # -1: this node does not hold the file
 
 
-Opening = Annotated[Union[Hello, Subscribe, PutFile, GetFile], Field(discriminator="t")]  # noqa: UP007
+class OpenStore(_Message):
+    """From a node agent's relay, for a rank of the run: connect me to the generation's rendezvous
+    store, which listens on this node's loopback only. Once answered StoreOpened, the connection
+    carries the store's own protocol, both ways."""
+
+    t: Literal["store"] = "store"
+    run_id: str
+    generation: int
+
+
+class StoreOpened(_Message):
+    t: Literal["store_opened"] = "store_opened"
+
+
+Opening = Annotated[Union[Hello, Subscribe, PutFile, GetFile, OpenStore], Field(discriminator="t")]  # noqa: UP007
 opening = TypeAdapter(Opening)  # the first line on a hub connection says who is calling and why

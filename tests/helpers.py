@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 from temporalio.client import Client, WorkflowHandle
 
+from activities.hubs import open_hub
 from core.fleet import FleetNode
-from core.launch import Endpoint
 from core.run import CheckpointRecord, RunState, RunStatus
 from core.spec import RunSpec
 from core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
 from training.checkpoint import load_checkpoint
+from workers.secret import SECRET_ENV, load_secret
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
 
@@ -80,13 +82,16 @@ async def hubs(client: Client, nodes: list[str]) -> dict[str, str]:
     return await fleet_handle(client).query(FleetWorkflow.hubs, nodes)
 
 
+async def subscribe(hub: str, subscription: Subscribe) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream of a node agent's records, opened as the run monitor opens one: with the fleet's
+    secret, the session's dev stack's (tests/conftest.py names its file in the environment)."""
+    return await open_hub(hub, subscription, load_secret(Path(os.environ[SECRET_ENV])))
+
+
 async def read_records(hub: str, run_id: str, only: list[str] | None = None, quiet: float = 0.5) -> list[Record]:
     """Every record (of the kinds in `only`) a node agent holds for the run, read the way the run
     monitor reads them, until nothing more comes for `quiet` seconds."""
-    address = Endpoint.parse(hub)
-    reader, writer = await asyncio.open_connection(address.host, address.port)
-    writer.write(Subscribe(run_id=run_id, only=only).model_dump_json().encode() + b"\n")
-    await writer.drain()
+    reader, writer = await subscribe(hub, Subscribe(run_id=run_id, only=only))
     records: list[Record] = []
     try:
         while True:
@@ -163,10 +168,7 @@ class RecordCollector:
     async def _follow(self, hub: str, run_id: str, generation: int) -> None:
         """One generation's records on one node (a record of no generation, such as a GPU reading,
         comes with the stream that was first to see it)."""
-        address = Endpoint.parse(hub)
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(Subscribe(run_id=run_id, generation=generation).model_dump_json().encode() + b"\n")
-        await writer.drain()
+        reader, writer = await subscribe(hub, Subscribe(run_id=run_id, generation=generation))
         begun = False  # its generation's records came: a stream opened ahead of it takes none of no generation
         try:
             while line := await reader.readline():
@@ -236,10 +238,7 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
     its agent's live telemetry as the run monitor does."""
     status = await wait_until(handle, lambda s: s.generation == 0 and s.state != RunState.PENDING, timeout=timeout)
     hub = (await hubs(client, status.nodes[:1]))[status.nodes[0]]
-    address = Endpoint.parse(hub)
-    reader, writer = await asyncio.open_connection(address.host, address.port)
-    writer.write(Subscribe(run_id=status.run_id).model_dump_json().encode() + b"\n")
-    await writer.drain()
+    reader, writer = await subscribe(hub, Subscribe(run_id=status.run_id))
     try:
         async with asyncio.timeout(timeout):
             while line := await reader.readline():

@@ -18,7 +18,9 @@ import threading
 import structlog
 from pydantic import BaseModel
 
+from core.control import Refused
 from core.telemetry import ToRank, to_rank
+from training.hub_client import connect_hub
 
 log = structlog.get_logger()
 
@@ -26,14 +28,12 @@ PENDING_MAX = 100_000  # reports held while the agent is not reading; beyond it,
 
 
 class AgentChannel:
-    def __init__(self, address: str, hello: BaseModel) -> None:
-        host, port = address.rsplit(":", 1)
-        self._sock = socket.create_connection((host, int(port)), timeout=10)
+    def __init__(self, address: str, hello: BaseModel, token: str) -> None:
+        self._sock, self._lines = connect_hub(address, hello, token, timeout=10)
         self._sock.settimeout(None)
         self._pending: queue.SimpleQueue[BaseModel | None] = queue.SimpleQueue()  # None: hang up after the rest
         self._inbox: queue.Queue[ToRank] = queue.Queue()
         self.dropped = 0
-        self.send(hello)
         self._writer = threading.Thread(target=self._write, name="stayalive-channel-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, name="stayalive-channel-reader", daemon=True)
         self._writer.start()
@@ -86,7 +86,10 @@ class AgentChannel:
 
     def _read(self) -> None:
         try:
-            for line in self._sock.makefile("rb"):
+            for line in self._lines:
+                if line.startswith(b'{"t":"refused"'):  # the hub did not take this rank's token
+                    log.error("node agent refused this rank", error=Refused.model_validate_json(line).error)
+                    return
                 self._inbox.put(to_rank.validate_json(line))
         except (OSError, ValueError) as exc:
             log.warning("agent channel read failed", error=str(exc))

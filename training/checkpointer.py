@@ -209,7 +209,7 @@ class Checkpointer:
         if self.tier is not None:
             memory.prune(self.tier.directory, self.identity.run_id, also=[self.durable(), *self.flusher.in_flight()])
             if self.tier.replica_hub:
-                memory.put(self.tier.replica_hub, self.identity.run_id, name, path)
+                memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, path)
         return path
 
     def _land(self, landing: _Landing) -> None:
@@ -260,7 +260,7 @@ class Checkpointer:
             write_atomically(kept, body)
             if self.tier.replica_hub:
                 try:
-                    memory.put(self.tier.replica_hub, self.identity.run_id, name, kept)
+                    memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, kept)
                 except OSError as exc:  # a second copy, not the commit: storage and this node have it
                     log.warning("manifest not replicated", checkpoint=name, error=str(exc))
         else:

@@ -28,8 +28,10 @@ import structlog
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from core.control import Refused
 from core.telemetry import FileHeader, GetFile, PutFile
 from training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
+from training.hub_client import connect_hub
 
 log = structlog.get_logger()
 
@@ -44,11 +46,13 @@ HUBS = "stayalive/hubs"  # in the generation's store: `stayalive/hubs/{node}` â†
 
 @dataclass(frozen=True)
 class MemoryTier:
-    """This rank's view of the tier: its node's directory and agent, and its replica's agent (None: same node)."""
+    """This rank's view of the tier: its node's directory and agent, its replica's agent (None: same
+    node), and its run's token, which any agent's tier takes for this run's files only."""
 
     directory: Path
     hub: str
     replica_hub: str | None
+    token: str
 
     @property
     def holders(self) -> list[str]:
@@ -99,27 +103,29 @@ def prune(root: Path, run_id: str, also: Collection[str | None] = (), keep: int 
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def put(hub: str, run_id: str, checkpoint: str, path: Path) -> None:
+def put(hub: str, token: str, run_id: str, checkpoint: str, path: Path) -> None:
     """Send a file to another node's tier (the replica), streaming it from this node's tier."""
-    host, port = hub.rsplit(":", 1)
     header = PutFile(run_id=run_id, checkpoint=checkpoint, file=path.name, size=path.stat().st_size)
-    with socket.create_connection((host, int(port)), timeout=60) as conn, open(path, "rb") as f:
-        conn.sendall(header.model_dump_json().encode() + b"\n")
+    conn, reader = connect_hub(hub, header, token, timeout=60)
+    with conn, open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             conn.sendall(chunk)
         conn.shutdown(socket.SHUT_WR)
-        conn.recv(1)  # the hub closes once the file is in place
+        if answer := reader.read():  # the hub closes once the file is in place, and says nothing
+            raise ConnectionError(f"{hub} did not keep {path.name}: {Refused.model_validate_json(answer).error}")
 
 
-def fetch(hub: str, run_id: str, checkpoint: str, file: str) -> bytes | None:
+def fetch(hub: str, token: str, run_id: str, checkpoint: str, file: str) -> bytes | None:
     """A file from another node's tier, or None when that node does not hold it (or is gone: the
     address comes from a manifest, which may be older than the agent now at that port)."""
-    host, port = hub.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=10) as conn:
-            conn.sendall(GetFile(run_id=run_id, checkpoint=checkpoint, file=file).model_dump_json().encode() + b"\n")
-            reader = conn.makefile("rb")
-            header = FileHeader.model_validate_json(reader.readline())
+        conn, reader = connect_hub(hub, GetFile(run_id=run_id, checkpoint=checkpoint, file=file), token, timeout=10)
+        with conn:
+            line = reader.readline()
+            if line.startswith(b'{"t":"refused"'):
+                log.warning("memory tier refused this rank", hub=hub, error=Refused.model_validate_json(line).error)
+                return None
+            header = FileHeader.model_validate_json(line)
             if header.size < 0:
                 return None
             data = reader.read(header.size)

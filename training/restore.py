@@ -66,7 +66,7 @@ def _from_memory(tier: MemoryTier | None, run_id: str, name: str, shard: ShardRe
     for hub in shard.hubs:
         if hub == tier.hub:
             continue  # that agent's tier is the directory just read
-        if (data := _verified(memory.fetch(hub, run_id, name, shard.file), shard.sha256)) is not None:
+        if (data := _verified(memory.fetch(hub, tier.token, run_id, name, shard.file), shard.sha256)) is not None:
             return data
     return None
 

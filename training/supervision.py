@@ -46,6 +46,7 @@ class SupervisionConfig:
     faults: list[Fault] = field(default_factory=list)
     sdc: SdcSpec = field(default_factory=SdcSpec)
     memory_dir: Path | None = None
+    run_token: str = ""  # what opens this run's doors at node agents' hubs (core.access)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SupervisionConfig:
@@ -71,6 +72,7 @@ class SupervisionConfig:
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
             sdc=SdcSpec.model_validate_json(env.get("STAYALIVE_SDC", "{}")),
             memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,
+            run_token=env.get("STAYALIVE_RUN_TOKEN", ""),
         )
 
     def memory_tier(self, store: dist.Store, rank: int, world_size: int, ranks_per_node: int) -> MemoryTier | None:
@@ -81,7 +83,7 @@ class SupervisionConfig:
         node = rank // ranks_per_node
         replica_node = memory.holder(rank, world_size) // ranks_per_node
         replica = memory.lookup_hub(store, replica_node) if replica_node != node else None
-        return MemoryTier(directory=self.memory_dir, hub=self.agent, replica_hub=replica)
+        return MemoryTier(directory=self.memory_dir, hub=self.agent, replica_hub=replica, token=self.run_token)
 
 
 @dataclass(frozen=True)

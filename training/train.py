@@ -200,7 +200,7 @@ class Trainer:
             raise SystemExit(f"--global-batch {self.args.global_batch} is smaller than the world size {world_size}")
         hello = Hello(run_id=config.run_id, rank=rank, generation=config.generation, pid=os.getpid())
         if self.channel is None and config.agent:
-            self.channel = AgentChannel(config.agent, hello)
+            self.channel = AgentChannel(config.agent, hello, config.run_token)
         else:
             self.report(hello)  # the agent files this connection under the new rank and generation
         store, tier = self.join(config, rank, world_size)

@@ -18,6 +18,10 @@ view, the embedded development stack and the demo.
     stayalive fleet retest NODE       self-test a quarantined node again (after a repair)
     stayalive fleet quarantine NODE REASON
                                       take a node out of the pool until it passes a self-test
+
+Temporal's address, namespace and TLS settings are the temporal CLI's, flags or environment
+(--address/TEMPORAL_ADDRESS, --tls-cert-path/TEMPORAL_TLS_CLIENT_CERT_PATH, …); without an address
+it talks to the dev stack.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import NoReturn
 
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError
 
 from activities.fleet import FleetClient, FleetRefused
@@ -43,7 +48,7 @@ from core.spec import RunSpec
 from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
 from workers.devstack import DevStack, StackError
 from workers.report import write_report
-from workers.supervisor import connect
+from workers.temporal import add_temporal_flags, client_config, connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
@@ -133,7 +138,7 @@ async def ensure_stack(state_dir: Path) -> tuple[str, str | None]:
 async def demo(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     address, ui = await ensure_stack(args.state_dir)
-    client = await connect(address)
+    client = await connect(plain(address))
     workflow_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     handle = await start_run(client, spec, workflow_id)
     faults = ", ".join(str(f) for f in spec.faults) or "none"
@@ -153,8 +158,8 @@ async def demo(args: argparse.Namespace) -> int:
 
 async def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    address, ui = stack_address(args.state_dir)
-    client = await connect(args.address or address)
+    _, ui = stack_address(args.state_dir)
+    client = await connect(temporal(args))
     handle = await start_run(client, spec, args.id or spec.name)
     console.print(f"Started run {handle.id}")
     if not args.follow:
@@ -165,17 +170,25 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def watch(args: argparse.Namespace) -> int:
-    address, ui = stack_address(args.state_dir)
-    client = await connect(args.address or address)
+    _, ui = stack_address(args.state_dir)
+    client = await connect(temporal(args))
     handle = client.get_workflow_handle(args.id)
     result = await follow(client, handle)
     report(result, await ui_url(handle, ui))
     return 0
 
 
-async def _client(args: argparse.Namespace) -> Client:
+def temporal(args: argparse.Namespace) -> ClientConnectConfig:
+    """The flags' and the environment's Temporal (workers/temporal.py), else the dev stack's."""
     address, _ = stack_address(args.state_dir)
-    return await connect(args.address or address)
+    try:
+        return client_config(args, default_address=address)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+async def _client(args: argparse.Namespace) -> Client:
+    return await connect(temporal(args))
 
 
 async def timeline(args: argparse.Namespace) -> int:
@@ -283,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
         default=Path(".stayalive"),
         help="the dev stack's state (default .stayalive)",
     )
-    root.add_argument("--address", default=None, help="Temporal frontend host:port (default: the dev stack's)")
+    add_temporal_flags(root, address_help="Temporal frontend host:port (default: the dev stack's)")
     commands = root.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="run the demo end to end")
     p.add_argument("spec", type=Path, nargs="?", default=DEMO_SPEC)

@@ -2,7 +2,9 @@
 SQLite), the supervisor worker and one node agent per "node", each its own process on this host.
 
 `stayalive dev up` starts it detached and records it in `<state>/stack.json`; tests start it
-attached, on free ports, and kill or restart its processes one at a time.
+attached, on free ports, and kill or restart its processes one at a time. Its fleet secret is
+`<state>/secret` (made on first start, mode 600). Its server is plain: the TEMPORAL_* settings of the
+shell that starts it are not passed on, as they are for another server.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.supervisor import connect
+from workers.secret import create_secret
+from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
 
 
@@ -85,6 +88,10 @@ class DevStack:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def secret_file(self) -> Path:
+        return self.state_dir / "secret"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
@@ -93,6 +100,7 @@ class DevStack:
         return f"http://127.0.0.1:{self.ui_port}" if self.ui_port else None
 
     def start(self) -> None:
+        create_secret(self.secret_file)
         self.start_temporal()
         self.start_supervisor()
         for node in self.nodes:
@@ -103,7 +111,7 @@ class DevStack:
     async def ready(self, timeout: float = 60.0) -> None:
         """Wait until every node agent has registered with the fleet: before that, a run would be
         refused the nodes whose agents are still starting."""
-        client = await connect(self.address)
+        client = await connect(plain(self.address))
         fleet = fleet_handle(client)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -161,14 +169,15 @@ class DevStack:
             return False
         health = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
         try:
-            answer = subprocess.run(health, capture_output=True, text=True, timeout=10)
+            answer = subprocess.run(health, capture_output=True, text=True, timeout=10, env=_plain_env())
         except subprocess.TimeoutExpired:
             return False
         return answer.returncode == 0 and "SERVING" in answer.stdout
 
     def start_supervisor(self) -> None:
-        metrics = ["--metrics-port", str(self.metrics_port)]
-        self._spawn("supervisor", [sys.executable, "-m", "workers.supervisor", "--address", self.address, *metrics])
+        argv = [sys.executable, "-m", "workers.supervisor", "--address", self.address]
+        argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(self.metrics_port)]
+        self._spawn("supervisor", argv)
 
     @property
     def memory_dir(self) -> Path:
@@ -180,6 +189,7 @@ class DevStack:
         """A node agent for `node` (a spare if listed in `spares`, unless `spare` says)."""
         spare = node in self.spares if spare is None else spare
         argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        argv += ["--secret-file", str(self.secret_file)]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         argv += [] if self.fork_server else ["--no-fork-server"]
@@ -216,7 +226,7 @@ class DevStack:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                env=_plain_env() | {"PYTHONUNBUFFERED": "1"},
                 start_new_session=self.detach,  # a detached stack outlives the command that started it
             )
 
@@ -229,6 +239,7 @@ class DevStack:
             "metrics": self.metrics_url,
             "nodes": self.nodes,
             "spares": self.spares,
+            "secret_file": str(self.secret_file),
             "pids": {name: p.pid for name, p in self.processes.items()},
         }
         (self.state_dir / "stack.json").write_text(json.dumps(record, indent=1))
@@ -260,6 +271,12 @@ class DevStack:
                 _wait_gone(pids[name])
         path.unlink()
         return stopped
+
+
+def _plain_env() -> dict[str, str]:
+    """This environment without the temporal CLI's connection settings (TLS, an API key, another
+    address), which are not for the dev stack's own plain server."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("TEMPORAL_")}
 
 
 def process_alive(pid: int) -> bool:

@@ -4,7 +4,10 @@ self-test when the fleet asks. Everything it does for the supervisor arrives at 
 port): it is not a Temporal worker, so 2,048 agents open no long polls at all. It tells the fleet
 where its hub listens when it starts.
 
-    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233
+    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233 --secret-file secret
+
+Temporal's settings are the temporal CLI's (workers/temporal.py, TLS included). The hub answers only
+holders of the fleet's secret (workers/secret.py) and, for a run's own doors, its ranks' token.
 
 A dead agent is how the run learns its host is gone (its hub falls silent), so the agent does
 nothing clever to stay up: its ranks die with it.
@@ -21,6 +24,7 @@ from pathlib import Path
 import structlog
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.envconfig import ClientConnectConfig
 
 from activities.fleet import FleetClient, FleetRefused
 from agent.forkserver import ForkServers
@@ -29,7 +33,8 @@ from agent.hub import NodeHub
 from agent.node import NodeAgent
 from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
 from training.logs import configure_logging
-from workers.supervisor import connect
+from workers.secret import add_secret_flag, load_secret
+from workers.temporal import add_temporal_flags, client_config, connect
 from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE
 
@@ -76,8 +81,8 @@ async def register(client: Client, node: str, rack: str, spare: bool, hub: str) 
             return
 
 
-async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
-    hub = NodeHub(args.node, args.host, memory_dir, args.advertise)
+async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret: bytes, memory_dir: Path) -> None:
+    hub = NodeHub(args.node, args.host, memory_dir, secret, args.advertise)
     await hub.start()
     node_dir = args.state_dir / "nodes" / args.node
     forks = ForkServers(node_dir) if args.fork_server else None
@@ -85,7 +90,7 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
         forks.start()
     agent = NodeAgent(args.node, hub, node_dir, forks)
     telemetry = gpu_telemetry(args.node, args.rack, faults=agent.telemetry_faults)
-    client = await connect(args.address, args.namespace)
+    client = await connect(temporal)
     log.info("node agent started", node=args.node, hub=str(hub.endpoint))
     stopped = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -104,13 +109,15 @@ async def serve(args: argparse.Namespace, memory_dir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.node_agent", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.node_agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--node", required=True, help="this node's id, e.g. n1")
     parser.add_argument("--rack", default="rack-a", help="the failure domain this node shares with its neighbours")
     parser.add_argument("--spare", action="store_true", help="a hot spare: kept idle to replace a failed node")
-    parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
-    parser.add_argument("--namespace", default="default")
-    parser.add_argument("--host", default="127.0.0.1", help="address the hub and rendezvous store listen on")
+    add_temporal_flags(parser)
+    add_secret_flag(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address the hub listens on (the store: loopback only)")
     parser.add_argument("--advertise", default=None, help="address other hosts reach this one at (default --host)")
     parser.add_argument("--state-dir", type=Path, default=Path(".stayalive"), help="where rank logs are kept")
     parser.add_argument("--memory-dir", type=Path, default=None, help="host-memory checkpoint tier (default /dev/shm)")
@@ -122,7 +129,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     configure_logging(node=args.node)
-    asyncio.run(serve(args, args.memory_dir or default_memory_dir(args.node)))
+    try:
+        temporal = client_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(args, temporal, load_secret(args.secret_file), args.memory_dir or default_memory_dir(args.node)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The supervisor worker: RunWorkflow, FleetWorkflow and the run-level activities, on task queue `stayalive`.
 
-    python -m workers.supervisor --address 127.0.0.1:7233 --metrics-port 9464
+    python -m workers.supervisor --address 127.0.0.1:7233 --secret-file secret --metrics-port 9464
+
+Temporal's address, namespace and TLS settings are the temporal CLI's (workers/temporal.py); the
+fleet's secret (workers/secret.py) is what the node agents' hubs take for its requests.
 
 It holds no state of its own: kill it and start another, and Temporal hands it the same runs. Its
 `/metrics` serves every open run's goodput ledger, interruptions, step times and checkpoint interval
@@ -20,7 +23,7 @@ from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConnectConfig
 from temporalio.worker import Worker
 
 from activities.checkpoints import choose_checkpoint, test_loader
@@ -31,14 +34,12 @@ from activities.nodes import NodeActivities
 from activities.paging import deliver_webhook, page
 from core.fleet_requests import fleet_id
 from training.logs import configure_logging
+from workers.secret import add_secret_flag, load_secret
+from workers.temporal import add_temporal_flags, client_config, connect
 from workflows.fleet import FleetInput, FleetWorkflow
 from workflows.run import TASK_QUEUE, RunWorkflow
 
 log = structlog.get_logger()
-
-
-async def connect(address: str, namespace: str = "default") -> Client:
-    return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
 
 
 # The web UI lists runs by these (RunWorkflow upserts them): state, step, goodput.
@@ -75,12 +76,12 @@ async def ensure_fleet(client: Client, cluster: str = "default") -> None:
 METRICS_PORT = 9464  # the Prometheus exporters' customary default
 
 
-def activities(client: Client) -> list[Callable[..., Any]]:
+def activities(client: Client, secret: bytes) -> list[Callable[..., Any]]:
     """Every activity of RunWorkflow and FleetWorkflow: the node agents are reached from here."""
     fleet = FleetActivities(client)
-    nodes = NodeActivities(fleet)
+    nodes = NodeActivities(fleet, secret)
     return [
-        MonitorActivities(fleet).monitor_run,
+        MonitorActivities(fleet, secret).monitor_run,
         choose_checkpoint,
         nodes.launch,
         nodes.command,
@@ -93,7 +94,9 @@ def activities(client: Client) -> list[Callable[..., Any]]:
     ]
 
 
-async def serve(address: str, namespace: str, metrics_port: int, metrics_host: str = "127.0.0.1") -> None:
+async def serve(
+    temporal: ClientConnectConfig, secret: bytes, metrics_port: int, metrics_host: str = "127.0.0.1"
+) -> None:
     # Bind first: a port in use must stop this process at start with the reason, before it polls.
     exporter = Exporter()
     try:
@@ -103,12 +106,12 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
             f"cannot serve /metrics on {metrics_host}:{metrics_port}: {exc.strerror}. Is another supervisor "
             "running here? Pick a free port with --metrics-port (0: any free one)."
         ) from exc
-    client = await connect(address, namespace)
+    client = await connect(temporal)
     worker = Worker(
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow, FleetWorkflow],
-        activities=activities(client),
+        activities=activities(client, secret),
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )
@@ -116,7 +119,13 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
     await ensure_fleet(client)
     await test_loader.start()
     metrics = asyncio.create_task(refresh(client, exporter))
-    log.info("supervisor worker started", address=address, task_queue=TASK_QUEUE, metrics_port=metrics_port)
+    log.info(
+        "supervisor worker started",
+        address=temporal.get("target_host"),
+        tls=bool(temporal.get("tls")),
+        task_queue=TASK_QUEUE,
+        metrics_port=metrics_port,
+    )
     try:
         await worker.run()
     finally:
@@ -125,14 +134,20 @@ async def serve(address: str, namespace: str, metrics_port: int, metrics_host: s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.supervisor", description=__doc__)
-    parser.add_argument("--address", default="127.0.0.1:7233", help="Temporal frontend host:port")
-    parser.add_argument("--namespace", default="default")
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.supervisor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_temporal_flags(parser)
+    add_secret_flag(parser)
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="serve /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 lets a Prometheus on another host scrape")
     args = parser.parse_args()
     configure_logging(node="supervisor")
-    asyncio.run(serve(args.address, args.namespace, args.metrics_port, args.metrics_host))
+    try:
+        temporal = client_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    asyncio.run(serve(temporal, load_secret(args.secret_file), args.metrics_port, args.metrics_host))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def test_rank_env_is_torchruns_with_a_fresh_store_namespace_per_generation() -> 
         entrypoint=["python", "x.py"],
         env={"STAYALIVE_RUN_ID": "r/1"},
     )
-    env = rank_env(launch, local_rank=1)
+    env = rank_env(launch, local_rank=1, store=Endpoint(host="127.0.0.1", port=41000))
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
         "RANK": "3",
         "LOCAL_RANK": "1",
@@ -28,7 +28,8 @@ def test_rank_env_is_torchruns_with_a_fresh_store_namespace_per_generation() -> 
         "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "1",
     }
-    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29500")
+    # The store is reached through this node's agent (its relay), never at the store host directly.
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "41000")
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
     assert env["STAYALIVE_RUN_ID"] == "r/1"

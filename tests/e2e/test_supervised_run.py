@@ -48,7 +48,9 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
 ) -> None:
     spec = tiny_spec(checkpoint_root, target_step=100)
     handle = await start(client, spec, "kill-rank")
-    collector = RecordCollector(client, handle)
+    # Follow the spec's nodes from generation 0: the crashed node is quarantined (and forgets the run's
+    # records) within seconds, and on a fresh stack the first status query can come back only after that.
+    collector = RecordCollector(client, handle, spec.nodes)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
     pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from agent.hub import NodeHub
+from core.access import run_token
 from core.telemetry import Resumed
 from tests.helpers import ROOT
 from training.checkpoint import MANIFEST, read_manifest, shard_filename
 from training.memory import memory_path
 
+SECRET = b"test fleet secret, 32 bytes long"
 RUN = "tier/0000abcd"
 STEP = 10  # the one checkpoint of generation 0, and every generation's target: a resume only restores
 
@@ -38,6 +40,7 @@ async def launch(hubs: list[NodeHub], ckpt: Path, world_size: int, generation: i
         "STAYALIVE_GENERATION": str(generation),
         "STAYALIVE_TARGET_STEP": str(STEP),
         "STAYALIVE_CHECKPOINT_DIR": str(ckpt),
+        "STAYALIVE_RUN_TOKEN": run_token(SECRET, RUN),
         "STAYALIVE_CHECKPOINT_EVERY_STEPS": str(STEP),
     }
     if resume is not None:
@@ -69,7 +72,7 @@ def in_memory(hub: NodeHub, checkpoint: Path, file: str) -> Path:
 async def test_shards_sit_where_the_manifest_says_and_a_resume_reads_them_from_the_replica_or_storage(
     tmp_path: Path,
 ) -> None:
-    hubs = [NodeHub(node, "127.0.0.1", tmp_path / f"memory-{node}") for node in ("n1", "n2")]
+    hubs = [NodeHub(node, "127.0.0.1", tmp_path / f"memory-{node}", SECRET) for node in ("n1", "n2")]
     for hub in hubs:
         await hub.start()
     agents = [str(hub.endpoint) for hub in hubs]
@@ -101,7 +104,7 @@ async def test_shards_sit_where_the_manifest_says_and_a_resume_reads_them_from_t
 
 
 async def test_while_storage_is_away_a_resume_reads_the_whole_checkpoint_from_memory(tmp_path: Path) -> None:
-    hubs = [NodeHub(node, "127.0.0.1", tmp_path / f"memory-{node}") for node in ("n1", "n2")]
+    hubs = [NodeHub(node, "127.0.0.1", tmp_path / f"memory-{node}", SECRET) for node in ("n1", "n2")]
     for hub in hubs:
         await hub.start()
     ckpt = tmp_path / "ckpt"

@@ -13,11 +13,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from agent.hub import NodeHub
+from core.access import run_token
 from core.launch import EXIT_CHECKPOINT_UNUSABLE
 from core.telemetry import Resumed, StepReport
 from tests.helpers import ROOT
 from training.checkpoint import load_checkpoint
 
+SECRET = b"test fleet secret, 32 bytes long"
 RUN = "resize/0000abcd"
 GLOBAL_BATCH = 8
 
@@ -34,6 +36,7 @@ async def launch(hub: NodeHub, ckpt: Path, world_size: int, generation: int, res
         "STAYALIVE_GENERATION": str(generation),
         "STAYALIVE_TARGET_STEP": "30",
         "STAYALIVE_CHECKPOINT_DIR": str(ckpt),
+        "STAYALIVE_RUN_TOKEN": run_token(SECRET, RUN),
         "STAYALIVE_CHECKPOINT_EVERY_STEPS": "10",
         "STAYALIVE_AGENT": str(hub.endpoint),
     }
@@ -59,7 +62,7 @@ def by_step(hub: NodeHub, generation: int) -> tuple[dict[int, list[int]], dict[i
 
 
 async def test_resume_at_half_the_world_size_reads_the_same_samples_and_lands_on_the_same_loss(tmp_path: Path) -> None:
-    hub = NodeHub("n1", "127.0.0.1", tmp_path / "memory")
+    hub = NodeHub("n1", "127.0.0.1", tmp_path / "memory", SECRET)
     await hub.start()
     ckpt = tmp_path / "ckpt"
     await launch(hub, ckpt, world_size=4, generation=0)

@@ -31,7 +31,9 @@ class Rank:
     def __init__(self, root: Path, rank: int, world_size: int, store: dist.Store, faults: list[Fault]) -> None:
         self.committed: list[int] = []
         self.outages: list[tuple[int, OSError]] = []
-        self.tier = MemoryTier(directory=root / f"memory-{rank}", hub=f"127.0.0.1:{rank + 1}", replica_hub=None)
+        self.tier = MemoryTier(
+            directory=root / f"memory-{rank}", hub=f"127.0.0.1:{rank + 1}", replica_hub=None, token="no hub here"
+        )
         self.writer = Checkpointer(
             root / "ckpt",
             rank=rank,

@@ -1,0 +1,166 @@
+"""A node agent's hub answers only holders of a key: the fleet's secret for the supervisor's doors
+(requests, subscriptions), a run's token for that run's (Hello, PutFile, GetFile, the store). A real
+hub and agent on loopback; strangers that know the protocol but not the key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from pydantic import BaseModel
+from structlog.testing import capture_logs
+
+from activities.hubs import ask, open_hub
+from agent.hub import NodeHub
+from agent.node import NodeAgent
+from agent.relay import StoreRelay
+from core.access import run_token
+from core.control import Prepare, Prepared, Refused, SendCommand, Sent
+from core.telemetry import Command, GetFile, Hello, OpenStore, PutFile, Subscribe
+from training import memory
+
+SECRET = b"the fleet's secret, 32 bytes ok"
+RUN = "tiny/0000abcd"
+OTHER_RUN = "other/0000ffff"
+TOKEN = run_token(SECRET, RUN)
+CHECKPOINT = "step-00000010-g0"
+SHARD = "shard-00000.safetensors"
+
+
+@pytest.fixture
+async def agent(tmp_path: Path) -> AsyncIterator[NodeAgent]:
+    hub = NodeHub("n1", "127.0.0.1", tmp_path / "memory", SECRET)
+    await hub.start()
+    yield NodeAgent("n1", hub, tmp_path / "state")
+    hub.close()
+
+
+async def refusal(hub: NodeHub, opening: BaseModel, key: bytes | None, body: bytes = b"") -> Refused:
+    """What the hub answers a caller that says `opening` with `key` (None: no proof at all, the way a
+    caller that predates the handshake would), sending `body` after it."""
+    if key is None:
+        reader, writer = await asyncio.open_connection(hub.endpoint.host, hub.endpoint.port)
+        await reader.readline()  # the challenge, ignored
+        writer.write(opening.model_dump_json().encode() + b"\n")
+    else:
+        reader, writer = await open_hub(str(hub.endpoint), opening, key)
+    writer.write(body)
+    try:
+        return Refused.model_validate_json(await reader.readline())
+    finally:
+        writer.close()
+
+
+async def connected_rank(hub: NodeHub) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Rank 0 of RUN, connected with its token as training.channel connects."""
+    rank = await open_hub(str(hub.endpoint), Hello(run_id=RUN, rank=0, generation=0, pid=1), TOKEN.encode())
+    while 0 not in hub.run(RUN).ranks:
+        await asyncio.sleep(0.01)
+    return rank
+
+
+async def next_line(reader: asyncio.StreamReader) -> bytes | None:
+    """What the hub sends next (None: nothing for 0.3 s)."""
+    try:
+        async with asyncio.timeout(0.3):
+            return await reader.readline()
+    except TimeoutError:
+        return None
+
+
+async def test_a_strangers_command_is_refused_and_no_rank_receives_it(agent: NodeAgent) -> None:
+    hub = agent.hub
+    rank, _connection = await connected_rank(hub)
+    command = SendCommand(run_id=RUN, command=Command(seq=1, kind="exit"))
+    with capture_logs() as logs:
+        no_proof = await refusal(hub, command, key=None)
+        wrong = await refusal(hub, command, key=b"a guess at the fleet's secret!!")
+        a_ranks = await refusal(hub, command, key=TOKEN.encode())  # a rank's token opens no supervisor door
+    assert "no proof of a key" in no_proof.error
+    assert "command takes the fleet's secret" in wrong.error and "command takes the fleet's secret" in a_ranks.error
+    assert await next_line(rank) is None
+    refused = [e for e in logs if e["event"] == "hub refused a caller"]
+    assert len(refused) == 3 and all(e["log_level"] == "warning" and e["node"] == "n1" for e in refused)
+    assert refused[1]["run_id"] == RUN and refused[1]["peer"].startswith("('127.0.0.1'")
+
+    # The fleet's secret does open it: the same command reaches the rank.
+    assert await ask(str(hub.endpoint), command, within=5, secret=SECRET) == Sent(reached=1)
+    assert json.loads(await rank.readline())["kind"] == "exit"
+
+
+async def test_a_strangers_file_is_refused_and_nothing_lands_in_the_memory_tier(
+    agent: NodeAgent, tmp_path: Path
+) -> None:
+    hub = agent.hub
+    shard = tmp_path / SHARD
+    shard.write_bytes(b"weights" * 1000)
+    put = PutFile(run_id=RUN, checkpoint=CHECKPOINT, file=SHARD, size=shard.stat().st_size)
+    for key in (None, b"not the token", run_token(SECRET, OTHER_RUN).encode(), SECRET):
+        answer = await refusal(hub, put, key, body=shard.read_bytes())
+        assert "not authorized" in answer.error or "no proof" in answer.error
+    assert not any(p.is_file() for p in hub.memory_dir.rglob("*"))
+
+    # Another run's token, or none, reads nothing out of the tier either; the run's own token does.
+    await asyncio.to_thread(memory.put, str(hub.endpoint), TOKEN, RUN, CHECKPOINT, shard)
+    assert memory.memory_path(hub.memory_dir, RUN, CHECKPOINT, SHARD).read_bytes() == shard.read_bytes()
+    get = GetFile(run_id=RUN, checkpoint=CHECKPOINT, file=SHARD)
+    assert "not authorized" in (await refusal(hub, get, run_token(SECRET, OTHER_RUN).encode())).error
+    fetched = await asyncio.to_thread(memory.fetch, str(hub.endpoint), TOKEN, RUN, CHECKPOINT, SHARD)
+    assert fetched == shard.read_bytes()
+    assert await asyncio.to_thread(memory.fetch, str(hub.endpoint), "not the token", RUN, CHECKPOINT, SHARD) is None
+
+
+async def test_a_runs_records_stream_only_to_the_fleets_secret(agent: NodeAgent) -> None:
+    hub = agent.hub
+    subscribe = Subscribe(run_id=RUN)
+    assert "not authorized" in (await refusal(hub, subscribe, TOKEN.encode())).error
+    reader, writer = await open_hub(str(hub.endpoint), subscribe, SECRET)
+    assert json.loads(await reader.readline())["t"] == "beat"
+    writer.close()
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) with a socket listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.add(local.rsplit(":", 1)[0])
+    return found
+
+
+async def test_the_rendezvous_store_listens_on_loopback_and_opens_only_to_the_runs_token(agent: NodeAgent) -> None:
+    prepared = agent.prepare(Prepare(run_id=RUN, generation=0, open_store=True))
+    assert isinstance(prepared, Prepared) and prepared.rendezvous == agent.hub.endpoint
+    store = agent.stores[RUN][1]
+    assert listening(store.port) == {"0100007F"}, "the store must listen on 127.0.0.1 alone"
+
+    stranger = OpenStore(run_id=RUN, generation=0)
+    assert "not authorized" in (await refusal(agent.hub, stranger, run_token(SECRET, OTHER_RUN).encode())).error
+    assert "not authorized" in (await refusal(agent.hub, stranger, SECRET)).error  # the fleet's is not the run's
+    stale = await refusal(agent.hub, OpenStore(run_id=RUN, generation=1), TOKEN.encode())
+    assert "no rendezvous store of generation 1" in stale.error
+
+    def client(relay: StoreRelay) -> dist.TCPStore:
+        port = relay.endpoint.port
+        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=3))
+
+    relay = StoreRelay(agent.hub.endpoint, stranger, TOKEN)
+    await relay.start()
+    rank = await asyncio.to_thread(client, relay)
+    await asyncio.to_thread(rank.set, "hello", "from a rank")
+    assert await asyncio.to_thread(store.get, "hello") == b"from a rank"  # (get waits: off the relaying loop)
+
+    wrong = StoreRelay(agent.hub.endpoint, stranger, run_token(SECRET, OTHER_RUN))
+    await wrong.start()
+    with capture_logs() as logs, pytest.raises(dist.DistError):
+        await asyncio.to_thread(client, wrong)
+    assert any(e["event"] == "rendezvous store not reached" and "not authorized" in e["error"] for e in logs)
+    for r in (relay, wrong):
+        r.close()
