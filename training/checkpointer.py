@@ -256,13 +256,7 @@ class Checkpointer:
             self.faults.checkpoint_committed(staged.step, final)
         fsync_dir(self.directory)
         if self.tier is not None:  # a restore anywhere reads it from memory (training/restore.py)
-            kept = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
-            write_atomically(kept, body)
-            if self.tier.replica_hub:
-                try:
-                    memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, kept)
-                except OSError as exc:  # a second copy, not the commit: storage and this node have it
-                    log.warning("manifest not replicated", checkpoint=name, error=str(exc))
+            self._keep_manifest(name, body)
         else:
             shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
         self._drop_superseded(staged.step)
@@ -287,6 +281,19 @@ class Checkpointer:
             optimizer_param_groups=staged.param_groups,
             shards=shards,
         ).sealed()
+
+    def _keep_manifest(self, name: str, body: bytes) -> None:
+        """Copies of the committed manifest in this node's tier and its replica's. Copies, not the
+        commit: storage has it. A node's ranks prune its tier after each save of theirs, and with a
+        checkpoint every step one may prune this checkpoint's directory while its manifest lands."""
+        assert self.tier is not None
+        kept = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
+        try:
+            write_atomically(kept, body)
+            if self.tier.replica_hub:
+                memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, kept)
+        except OSError as exc:
+            log.warning("manifest not kept in memory", checkpoint=name, error=str(exc))
 
     def _drop_superseded(self, step: int) -> None:
         """The partial writes of this generation's earlier checkpoints that an outage superseded: every
