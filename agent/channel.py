@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,11 +34,15 @@ class RunChannel:
     starts: dict[int, int] = field(default_factory=dict)  # generation → the seq before its first record
     acked: dict[str, int] = field(default_factory=dict)  # reader → the last seq it acknowledged
     batchers: dict[int, StepBatcher] = field(default_factory=dict)  # generation → this node's steps
+    # When a named reader (the run monitor) last said anything here, or the last launch: an agent
+    # whose ranks run unread for long is cut off from the run (core.fencing.cut_off).
+    read_at: float = field(default_factory=time.monotonic)
     _arrival: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def begin(self, generation: int, ranks: list[int]) -> None:
         """This node's ranks of `generation` are about to start: readers of it start here."""
         self.starts.setdefault(generation, self.seq)
+        self.read_at = time.monotonic()
         if ranks and generation not in self.batchers:
             self.batchers = {generation: StepBatcher(generation, range(ranks[0], ranks[-1] + 1))}
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.netns import Partitionable
 from workers.secret import create_secret
 from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
@@ -76,6 +77,10 @@ class DevStack:
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
+    # Where the server and the agents' hubs listen, and the interface ranks' gloo binds (None: gloo's
+    # pick): another address than loopback lets an agent in a network namespace reach them (workers/netns.py).
+    ip: str = "127.0.0.1"
+    interface: str | None = None
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,7 +90,7 @@ class DevStack:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.ip}:{self.port}"
 
     @property
     def secret_file(self) -> Path:
@@ -136,7 +141,7 @@ class DevStack:
                 raise StackError(f"{name} exited with status {code}; the end of {self._log(name)}:\n  {said}")
 
     def start_temporal(self, timeout: float = 30.0) -> None:
-        if port_open(self.port):
+        if port_open(self.port, self.ip):
             raise StackError(f"port {self.port} is taken: is a Temporal server already running? (stayalive dev down)")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -144,7 +149,7 @@ class DevStack:
             "server",
             "start-dev",
             "--ip",
-            "127.0.0.1",
+            self.ip,
             "--port",
             str(self.port),
             "--db-filename",
@@ -165,7 +170,7 @@ class DevStack:
         """The dev server answers calls. An open port is not enough: for a moment after it starts
         listening, the frontend refuses every call ("Frontend is not healthy yet"), and a client that
         connects then fails instead of waiting."""
-        if not port_open(self.port):
+        if not port_open(self.port, self.ip):
             return False
         health = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
         try:
@@ -185,15 +190,19 @@ class DevStack:
         shm = Path("/dev/shm")
         return (shm if shm.is_dir() else self.state_dir) / f"stayalive-{self.port}"
 
-    def start_agent(self, node: str, spare: bool | None = None) -> None:
-        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says)."""
+    def start_agent(self, node: str, spare: bool | None = None, netns: Partitionable | None = None) -> None:
+        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says); in `netns`, it
+        reaches the server over the namespace's link, and its hub listens on the namespace's side."""
         spare = node in self.spares if spare is None else spare
-        argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        address = self.address if netns is None else f"{netns.host_ip}:{self.port}"
+        argv = [*(netns.exec_prefix() if netns else []), sys.executable, "-m", "workers.node_agent"]
+        argv += ["--node", node, "--address", address, "--host", netns.ns_ip if netns else self.ip]
         argv += ["--secret-file", str(self.secret_file)]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         argv += [] if self.fork_server else ["--no-fork-server"]
-        self._spawn(f"agent-{node}", argv)
+        interface = netns.ns_if if netns else self.interface
+        self._spawn(f"agent-{node}", argv, {"GLOO_SOCKET_IFNAME": interface} if interface else {})
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes.pop(name)
@@ -217,7 +226,7 @@ class DevStack:
     def _log(self, name: str) -> Path:
         return self.state_dir / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self._log(name).parent.mkdir(parents=True, exist_ok=True)
         with open(self._log(name), "ab") as log:
             self.processes[name] = subprocess.Popen(
@@ -226,7 +235,7 @@ class DevStack:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_plain_env() | {"PYTHONUNBUFFERED": "1"},
+                env=_plain_env() | {"PYTHONUNBUFFERED": "1"} | (env or {}),
                 start_new_session=self.detach,  # a detached stack outlives the command that started it
             )
 
