@@ -231,10 +231,12 @@ class NodeAgent:
                 channel = self.hub.runs.get(run_id)
                 if not ranks or channel is None or not cut_off(channel.read_at, now, bound):
                     continue
+                if (live := {r.rank for r in ranks if r.exit_code is None}) and live <= channel.holding:
+                    continue  # held (a pause waits for a person, unread): they write nothing until told to rejoin
                 since = time.time() - (now - channel.read_at)
                 generation = max(r.generation for r in ranks)
                 log.warning("cut off from the run: fencing this node out", run_id=run_id, generation=generation)
-                stopped = await self.release(run_id)
+                stopped = await self.fence(run_id)
                 report = PartitionReport(
                     node=self.node,
                     run_id=run_id,
@@ -244,6 +246,18 @@ class NodeAgent:
                     stopped=stopped,
                 )
                 self.partitions.append(report)
+
+    async def fence(self, run_id: str) -> int:
+        """Out of the run's current generation: its ranks stopped, its store and relay closed. What the
+        run keeps here (its records, the host-memory tier) stays until the run releases the node."""
+        ranks = self.ranks.pop(run_id, [])
+        running = sum(r.exit_code is None for r in ranks)
+        await stop_ranks(ranks)
+        self.stores.pop(run_id, None)
+        if (relay := self.relays.pop(run_id, None)) is not None:
+            relay.close()
+        self.fence_after.pop(run_id, None)
+        return running
 
     async def vacate(self) -> int:
         """Release every run still here (the node was quarantined, and its self-test needs it idle)."""

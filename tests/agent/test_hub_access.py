@@ -23,7 +23,7 @@ from agent.processes import start_rank
 from agent.relay import StoreRelay
 from core.access import run_token
 from core.control import Prepare, Prepared, Refused, SendCommand, Sent
-from core.telemetry import Command, GetFile, Hello, OpenStore, PutFile, Subscribe
+from core.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
 from training import memory
 
 SECRET = b"the fleet's secret, 32 bytes ok"
@@ -197,3 +197,18 @@ async def test_an_agent_unread_past_its_bound_fences_itself_out(agent: NodeAgent
     (report,) = agent.partitions
     assert (report.node, report.run_id, report.generation, report.stopped) == ("n1", RUN, 3, 1)
     assert process.exit_code is not None and RUN not in agent.ranks and RUN not in agent.fence_after
+
+
+async def test_held_ranks_are_not_fenced_however_long_nobody_reads(agent: NodeAgent, tmp_path: Path) -> None:
+    """A pause holds every rank and the monitor stops reading until a person resumes: not a partition."""
+    process = await start_rank(0, 0, ["sleep", "60"], {}, tmp_path / "rank-0.log")
+    agent.ranks[RUN] = [process]
+    agent.hub.run(RUN).append(Held(rank=0, generation=0, step=10))
+    agent.fence_after[RUN] = 0.2
+    fencing = asyncio.create_task(agent.fence_when_cut_off(every=0.05))
+    try:
+        await asyncio.sleep(0.6)
+    finally:
+        fencing.cancel()
+    assert agent.partitions == [] and process.exit_code is None
+    await agent.release(RUN)
