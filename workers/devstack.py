@@ -77,8 +77,9 @@ class DevStack:
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
-    # Where the server and the agents' hubs listen, and the interface ranks' gloo binds (None: gloo's
-    # pick): another address than loopback lets an agent in a network namespace reach them (workers/netns.py).
+    # Where the agents' hubs listen, and the interface ranks' gloo binds (None: gloo's pick). Another
+    # address than loopback lets an agent in a network namespace reach them (workers/netns.py); the
+    # server then listens on every interface (the dev server's own services dial it on loopback).
     ip: str = "127.0.0.1"
     interface: str | None = None
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -90,7 +91,7 @@ class DevStack:
 
     @property
     def address(self) -> str:
-        return f"{self.ip}:{self.port}"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def secret_file(self) -> Path:
@@ -141,7 +142,7 @@ class DevStack:
                 raise StackError(f"{name} exited with status {code}; the end of {self._log(name)}:\n  {said}")
 
     def start_temporal(self, timeout: float = 30.0) -> None:
-        if port_open(self.port, self.ip):
+        if port_open(self.port):
             raise StackError(f"port {self.port} is taken: is a Temporal server already running? (stayalive dev down)")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -149,7 +150,7 @@ class DevStack:
             "server",
             "start-dev",
             "--ip",
-            self.ip,
+            "127.0.0.1" if self.ip == "127.0.0.1" else "0.0.0.0",
             "--port",
             str(self.port),
             "--db-filename",
@@ -170,7 +171,7 @@ class DevStack:
         """The dev server answers calls. An open port is not enough: for a moment after it starts
         listening, the frontend refuses every call ("Frontend is not healthy yet"), and a client that
         connects then fails instead of waiting."""
-        if not port_open(self.port, self.ip):
+        if not port_open(self.port):
             return False
         health = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
         try:
