@@ -27,11 +27,12 @@ from activities.reporting import Heartbeat, signal_run
 from activities.telemetry import NodeStreams
 from core.checkpoints import ChooseInput, norm_problem
 from core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
+from core.fencing import fenced_out
 from core.recovery import file_judged
 from core.retention import to_delete
 from core.run import CheckpointRecord
 from core.telemetry import CheckpointCommitted, Subscribe
-from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_manifest, within_root
+from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_fence, read_manifest, within_root
 from training.validate import TestLoad
 
 log = structlog.get_logger()
@@ -102,6 +103,8 @@ async def validate(
         directory = within_root(root, path)
     except CheckpointError as exc:
         return Verdict(validated=False, reason=str(exc))
+    if (fenced := _fenced(directory)) is not None:
+        return Verdict(validated=False, reason=fenced)
     result = await test_loader.test_load(directory, heartbeat)
     if not result.ok and not await asyncio.to_thread(directory.parent.is_dir):
         return None
@@ -111,6 +114,18 @@ async def validate(
     if result.param_norm is not None and (problem := norm_problem(result.param_norm, history)):
         return Verdict(validated=False, reason=problem, param_norm=result.param_norm)
     return Verdict(validated=True, reason="shards, digests, test load and norms ok", param_norm=result.param_norm)
+
+
+def _fenced(directory: Path) -> str | None:
+    """Why a checkpoint is not the run's, if it was written by a generation the run had moved past."""
+    try:
+        _, generation = parse_checkpoint_dirname(directory.name)
+    except ValueError:
+        return None
+    fence = read_fence(directory.parent)
+    if not fenced_out(fence, generation):
+        return None
+    return f"fenced out: written by generation {generation} after generation {fence} was launched"
 
 
 def _delete(root: str, paths: list[str]) -> list[str]:

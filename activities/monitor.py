@@ -130,6 +130,7 @@ async def watch(
                     seen.reported(event, now)
             if now >= next_beat:
                 beat(progress=seen.summary().model_dump(), **seen.knowledge())
+                streams.keepalive()
                 if seen.witness is None:  # a witness's record must be read again by a monitor that replaces this one
                     streams.ack(places)
                 next_beat = now + HEARTBEAT_SECONDS

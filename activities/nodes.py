@@ -41,7 +41,7 @@ from core.fleet import SelfTestResult
 from core.fleet_requests import SelfTestInput
 from core.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
 from core.launch import Launch, Launched, NodeLaunch
-from training.checkpoint import within_root
+from training.checkpoint import within_root, write_fence
 
 log = structlog.get_logger()
 
@@ -64,6 +64,8 @@ class NodeActivities:
         """Every node's agent is asked whether it is there (the first opens the generation's fresh
         rendezvous store); only when all answered is each sent its part of the generation."""
         nodes, host = request.nodes, request.nodes[0]
+        if request.checkpoint_dir is not None:
+            await asyncio.to_thread(raise_fence, request.run_id, Path(request.checkpoint_dir), request.generation)
         hubs = await self.fleet.hubs(nodes)
         ready, missing = await ask_each(
             hubs,
@@ -181,6 +183,19 @@ class NodeActivities:
                     return SelfTestResult(node=input.node, passed=False, checks={}, detail=detail, at=datetime.now(UTC))
                 assert isinstance(answer, SelfTested)
                 return answer.result
+
+
+def raise_fence(run_id: str, directory: Path, generation: int) -> None:
+    """Before any rank of `generation` starts: no older generation commits a checkpoint of the run
+    from now on (core/fencing.py). The first generation has nothing older, and no directory yet."""
+    if not directory.is_dir():
+        if generation > 0:
+            log.warning("checkpoint directory unreachable: fence not raised", run_id=run_id, generation=generation)
+        return
+    try:
+        write_fence(directory, generation)
+    except OSError as exc:  # storage is away: nothing lands there now, and the keeper reads the fence later
+        log.warning("fence not raised", run_id=run_id, generation=generation, error=str(exc))
 
 
 def _shown(ranks: list[int]) -> str:

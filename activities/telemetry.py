@@ -52,6 +52,14 @@ class NodeStreams:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def keepalive(self) -> None:
+        """Tell every node this reader is still there (an Ack of nothing): an agent unread for long
+        takes itself for cut off from the run and fences itself out (core/fencing.py)."""
+        line = Ack(seq=0).model_dump_json().encode() + b"\n"
+        for writer in self._writers.values():
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                writer.write(line)
+
     def ack(self, places: dict[str, int]) -> None:
         """Tell each node this reader is done with its records up to `places[node]`."""
         for node, seq in places.items():

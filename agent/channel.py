@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from core.progress import StepBatcher
-from core.telemetry import Hello, RankExited, RankMessage, Record, StepReport
+from core.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
 
 # Records a node keeps per run for a reader that reconnects: minutes of steps at thousands of steps/s.
 RETAINED = 200_000
@@ -33,16 +34,25 @@ class RunChannel:
     starts: dict[int, int] = field(default_factory=dict)  # generation → the seq before its first record
     acked: dict[str, int] = field(default_factory=dict)  # reader → the last seq it acknowledged
     batchers: dict[int, StepBatcher] = field(default_factory=dict)  # generation → this node's steps
+    # When a named reader (the run monitor) last said anything here, or the last launch: an agent
+    # whose ranks run unread for long is cut off from the run (core.fencing.cut_off).
+    read_at: float = field(default_factory=time.monotonic)
+    holding: set[int] = field(default_factory=set)  # ranks that hold (a pause, a drain): they write nothing
     _arrival: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def begin(self, generation: int, ranks: list[int]) -> None:
         """This node's ranks of `generation` are about to start: readers of it start here."""
         self.starts.setdefault(generation, self.seq)
+        self.read_at = time.monotonic()
         if ranks and generation not in self.batchers:
             self.batchers = {generation: StepBatcher(generation, range(ranks[0], ranks[-1] + 1))}
 
     def append(self, message: RankMessage) -> None:
         """File a message from a rank or from the agent. Step reports go out batched per node."""
+        if isinstance(message, Held):
+            self.holding.add(message.rank)
+        elif isinstance(message, StepReport | Hello):
+            self.holding.discard(message.rank)
         if isinstance(message, StepReport):
             self.last_step[message.rank] = message.step
             batcher = self.batchers.get(message.generation)

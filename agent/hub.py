@@ -269,7 +269,9 @@ class NodeHub:
         while line := await reader.readline():
             ack = Ack.model_validate_json(line)
             if subscribe.reader is not None:
-                channel.ack(subscribe.reader, ack.seq)
+                channel.read_at = time.monotonic()  # the reader is there (seq 0: only that)
+                if ack.seq > 0:
+                    channel.ack(subscribe.reader, ack.seq)
 
 
 def _wanted(subscribe: Subscribe, record: Record) -> bool:

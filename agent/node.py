@@ -47,6 +47,7 @@ from core.control import (
     StartRanks,
 )
 from core.faults import BrokenNode, HardwareFault, TelemetryFault
+from core.fencing import PartitionReport, cut_off
 from core.hangs import CollectiveProgress
 from core.launch import NodeLaunch, rank_env
 from core.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
@@ -105,6 +106,8 @@ class NodeAgent:
         self.relays: dict[str, StoreRelay] = {}  # run → where this node's ranks reach its generation's store
         self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
         self._starting = asyncio.Lock()  # one launch at a time: a retried one must find the first's ranks
+        self.fence_after: dict[str, float] = {}  # run → how long unread before this node fences itself out
+        self.partitions: list[PartitionReport] = []  # fenced out, not reported yet (workers/node_agent.py)
         hub.answer = self.answer
         hub.store_port = self.store_port
 
@@ -168,6 +171,8 @@ class NodeAgent:
             for process in started:
                 process.waiter.add_done_callback(functools.partial(self._reaped, launch.run_id, process))
             self.ranks[launch.run_id] = carried + started
+            if launch.fence_after is not None:
+                self.fence_after[launch.run_id] = launch.fence_after
             channel = self.hub.run(launch.run_id)
             for process in carried + started:
                 rejoined = process in carried
@@ -208,8 +213,50 @@ class NodeAgent:
         if (relay := self.relays.pop(run_id, None)) is not None:
             relay.close()
         self.hub.runs.pop(run_id, None)
+        self.fence_after.pop(run_id, None)
         shutil.rmtree(self.hub.memory_dir / run_id, ignore_errors=True)
         log.info("run released", run_id=run_id, node=self.node, stopped=running)
+        return running
+
+    async def fence_when_cut_off(self, every: float = 1.0) -> None:
+        """Forever: a run that has ranks here (running, or dead of peers they lost) and that its monitor
+        has not read for its `fence_after` has gone on without this node (a partition): stop its ranks,
+        so none of them writes for that generation again, and keep the report for when Temporal can
+        be reached. A run released here (over, or the node quarantined) is not watched."""
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for run_id, bound in list(self.fence_after.items()):
+                ranks = self.ranks.get(run_id, [])  # the live ones, and those that died cut off (gloo lost peers)
+                channel = self.hub.runs.get(run_id)
+                if not ranks or channel is None or not cut_off(channel.read_at, now, bound):
+                    continue
+                if (live := {r.rank for r in ranks if r.exit_code is None}) and live <= channel.holding:
+                    continue  # held (a pause waits for a person, unread): they write nothing until told to rejoin
+                since = time.time() - (now - channel.read_at)
+                generation = max(r.generation for r in ranks)
+                log.warning("cut off from the run: fencing this node out", run_id=run_id, generation=generation)
+                stopped = await self.fence(run_id)
+                report = PartitionReport(
+                    node=self.node,
+                    run_id=run_id,
+                    generation=generation,
+                    since=since,
+                    fenced_at=time.time(),
+                    stopped=stopped,
+                )
+                self.partitions.append(report)
+
+    async def fence(self, run_id: str) -> int:
+        """Out of the run's current generation: its ranks stopped, its store and relay closed. What the
+        run keeps here (its records, the host-memory tier) stays until the run releases the node."""
+        ranks = self.ranks.pop(run_id, [])
+        running = sum(r.exit_code is None for r in ranks)
+        await stop_ranks(ranks)
+        self.stores.pop(run_id, None)
+        if (relay := self.relays.pop(run_id, None)) is not None:
+            relay.close()
+        self.fence_after.pop(run_id, None)
         return running
 
     async def vacate(self) -> int:

@@ -52,6 +52,9 @@ class Launch(BaseModel):
     # what concerns its node for the rest of its life, as real hardware would stay broken.
     hardware: list[HardwareFault] = []
     answer_within: float  # seconds an agent has to answer before its node counts as lost
+    # Where the launch raises the run's fence to this generation (core/fencing.py); None: no fence.
+    checkpoint_dir: str | None = None
+    fence_after: float | None = None  # HealthSpec.partition_fence: an agent unread this long fences itself
 
     @property
     def world_size(self) -> int:
@@ -85,6 +88,7 @@ class NodeLaunch(BaseModel):
     env: dict[str, str]
     rejoin: bool = False
     hardware: list[HardwareFault] = []
+    fence_after: float | None = None  # unread by the run's monitor this long, the agent stops these ranks
 
     @classmethod
     def of(cls, launch: Launch, index: int, rendezvous: Endpoint) -> NodeLaunch:
@@ -99,6 +103,7 @@ class NodeLaunch(BaseModel):
             env=launch.env,
             rejoin=launch.rejoin,
             hardware=launch.hardware,
+            fence_after=launch.fence_after,
         )
 
 

@@ -22,6 +22,9 @@ from core.text import Text
 class Cause(StrEnum):
     CRASH = "crash"
     NODE_LOST = "node_lost"
+    # A node cut off from the run, not dead: its agent, alive all along, fenced itself out of the
+    # generation and said so when it could talk again (core/fencing.py). Amends a node_lost entry.
+    PARTITION = "partition"
     CHECKPOINT_INVALID = "checkpoint_invalid"
     HANG = "hang"  # alive, no progress: the progress watchdog fired
     DRAIN = "drain"  # planned: a node taken out by a person or a detector

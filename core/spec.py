@@ -134,6 +134,10 @@ class HealthSpec(_Spec):
     slowness_tally: Seconds = 30.0
     # How long a node agent may stay silent before its node counts as dead.
     node_heartbeat_timeout: Seconds = 15.0
+    # How long a node agent whose ranks run may go unread by the run's monitor before it takes itself
+    # for cut off: it stops the run's ranks there and reports a partition when it can (core/fencing.py).
+    # Longer than the heartbeat timeout, so the run has taken the node for lost first.
+    partition_fence: Seconds = 60.0
     # Once a rank has finished (exited cleanly, or said it reached the target), how long the others
     # have to exit. Those still running then are stopped and the run completes: a process that
     # lingers after its work (stuck in a destructor at exit) must not hold a finished run open.

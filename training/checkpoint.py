@@ -25,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load
 
+from core.fencing import FENCE_FILE, raised
+
 MANIFEST = "manifest.json"
 
 
@@ -78,6 +80,21 @@ def parse_checkpoint_dirname(name: str) -> tuple[int, int]:
     """`step-00000400-g1` → (400, 1): step and generation, as `checkpoint_dirname` wrote them."""
     step, generation = name.removeprefix("step-").split("-g")
     return int(step), int(generation)
+
+
+def read_fence(directory: Path) -> int | None:
+    """The run's fence (core/fencing.py): the newest generation launched; None where there is none."""
+    try:
+        return int((directory / FENCE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def write_fence(directory: Path, generation: int) -> int:
+    """Raise the run's fence to `generation` (never lower it); returns where it stands."""
+    fence = raised(read_fence(directory), generation)
+    write_atomically(directory / FENCE_FILE, str(fence).encode())
+    return fence
 
 
 def shard_filename(rank: int) -> str:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from core.fencing import fenced_out
 from training import memory
 from training.checkpoint import (
     MANIFEST,
@@ -44,6 +45,7 @@ from training.checkpoint import (
     fsync_dir,
     parse_checkpoint_dirname,
     partition,
+    read_fence,
     shard_filename,
     write_atomically,
 )
@@ -248,6 +250,13 @@ class Checkpointer:
             landing.manifest = self._manifest(name, staged)
         body = landing.manifest.model_dump_json(indent=1).encode()
         final = self.directory / name
+        if fenced_out(fence := read_fence(self.directory), self.identity.generation):
+            # The run launched a newer generation without this one (a node cut off and back): its
+            # checkpoint is not the run's. Nothing is committed or announced.
+            log.error("checkpoint fenced out", checkpoint=name, generation=self.identity.generation, fence=fence)
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
+            return
         if not final.is_dir():  # an attempt that failed after the rename has nothing left to rename
             write_atomically(tmp / MANIFEST, body, opened=self.faults.writing_to_storage)
             tmp.rename(final)

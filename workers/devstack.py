@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.netns import Partitionable
 from workers.secret import create_secret
 from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
@@ -76,6 +77,11 @@ class DevStack:
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
+    # Where the agents' hubs listen, and the interface ranks' gloo binds (None: gloo's pick). Another
+    # address than loopback lets an agent in a network namespace reach them (workers/netns.py); the
+    # server then listens on every interface (the dev server's own services dial it on loopback).
+    ip: str = "127.0.0.1"
+    interface: str | None = None
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,7 +150,7 @@ class DevStack:
             "server",
             "start-dev",
             "--ip",
-            "127.0.0.1",
+            "127.0.0.1" if self.ip == "127.0.0.1" else "0.0.0.0",
             "--port",
             str(self.port),
             "--db-filename",
@@ -185,15 +191,19 @@ class DevStack:
         shm = Path("/dev/shm")
         return (shm if shm.is_dir() else self.state_dir) / f"stayalive-{self.port}"
 
-    def start_agent(self, node: str, spare: bool | None = None) -> None:
-        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says)."""
+    def start_agent(self, node: str, spare: bool | None = None, netns: Partitionable | None = None) -> None:
+        """A node agent for `node` (a spare if listed in `spares`, unless `spare` says); in `netns`, it
+        reaches the server over the namespace's link, and its hub listens on the namespace's side."""
         spare = node in self.spares if spare is None else spare
-        argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--address", self.address]
+        address = self.address if netns is None else f"{netns.host_ip}:{self.port}"
+        argv = [*(netns.exec_prefix() if netns else []), sys.executable, "-m", "workers.node_agent"]
+        argv += ["--node", node, "--address", address, "--host", netns.ns_ip if netns else self.ip]
         argv += ["--secret-file", str(self.secret_file)]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         argv += [] if self.fork_server else ["--no-fork-server"]
-        self._spawn(f"agent-{node}", argv)
+        interface = netns.ns_if if netns else self.interface
+        self._spawn(f"agent-{node}", argv, {"GLOO_SOCKET_IFNAME": interface} if interface else {})
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes.pop(name)
@@ -217,7 +227,7 @@ class DevStack:
     def _log(self, name: str) -> Path:
         return self.state_dir / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self._log(name).parent.mkdir(parents=True, exist_ok=True)
         with open(self._log(name), "ab") as log:
             self.processes[name] = subprocess.Popen(
@@ -226,7 +236,7 @@ class DevStack:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_plain_env() | {"PYTHONUNBUFFERED": "1"},
+                env=_plain_env() | {"PYTHONUNBUFFERED": "1"} | (env or {}),
                 start_new_session=self.detach,  # a detached stack outlives the command that started it
             )
 

@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.envconfig import ClientConnectConfig
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.fleet import FleetClient, FleetRefused
 from agent.forkserver import ForkServers
 from agent.gpu import gpu_telemetry
 from agent.hub import NodeHub
 from agent.node import NodeAgent
+from core.fencing import PARTITION_REPORT
 from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
 from training.logs import configure_logging
 from workers.secret import add_secret_flag, load_secret
@@ -81,6 +85,31 @@ async def register(client: Client, node: str, rack: str, spare: bool, hub: str) 
             return
 
 
+async def report_partitions(
+    client: Client, agent: NodeAgent, announce: Callable[[], Awaitable[None]], every: float = 2.0
+) -> None:
+    """Forever: tell each run this node fenced itself out of that it was cut off, once Temporal answers
+    (the run amends its node-lost entry to a partition; a run that is over has nothing to amend), and
+    announce the node to the fleet again: the self-test its quarantine began could not reach it, which
+    says nothing of its hardware, and a registration tests it again."""
+    while True:
+        await asyncio.sleep(every)
+        for report in list(agent.partitions):
+            handle = client.get_workflow_handle(report.run_id.rsplit("/", 1)[0])
+            try:
+                await asyncio.wait_for(handle.signal(PARTITION_REPORT, report), timeout=10)
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    log.warning("partition not reported yet", run_id=report.run_id, error=str(exc))
+                    continue
+            except Exception as exc:  # Temporal is still out of reach
+                log.warning("partition not reported yet", run_id=report.run_id, error=str(exc))
+                continue
+            log.info("partition reported", run_id=report.run_id, generation=report.generation)
+            agent.partitions.remove(report)
+            await announce()
+
+
 async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret: bytes, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, secret, args.advertise)
     await hub.start()
@@ -95,13 +124,18 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
     stopped = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
-    registration = asyncio.create_task(register(client, args.node, args.rack, args.spare, str(hub.endpoint)))
+    announce = functools.partial(register, client, args.node, args.rack, args.spare, str(hub.endpoint))
+    registration = asyncio.create_task(announce())
     sampler = asyncio.create_task(agent.sample_gpus(telemetry))
+    fencing = [agent.fence_when_cut_off(), report_partitions(client, agent, announce)]
+    fencing_tasks = [asyncio.create_task(task) for task in fencing]
     try:
         await stopped.wait()
     finally:
         registration.cancel()
         sampler.cancel()
+        for task in fencing_tasks:
+            task.cancel()
         await agent.vacate()
         hub.close()
         if forks is not None:

@@ -133,6 +133,8 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
         rejoin=membership is not None,
         hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],
         answer_within=spec.health.node_heartbeat_timeout,
+        checkpoint_dir=status.checkpoint_dir if spec.hooks else None,
+        fence_after=spec.health.partition_fence,
     )
 
 

@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         RanksFinished,
         SdcDetected,
     )
+    from core.fencing import PARTITION_REPORT, PartitionReport, amend
     from core.fleet_requests import RecordExposure
     from core.goodput import ledger, recent_goodput
     from core.health import Health, health_table
@@ -183,6 +184,15 @@ class RunWorkflow:
     def checkpoint_judged(self, judged: CheckpointJudged) -> None:
         """A checkpoint the ranks committed, with the keeper's verdict; recorded by the main loop."""
         self.inbox.verdicts.append(judged)
+
+    @workflow.signal(name=PARTITION_REPORT)
+    def partitioned(self, report: PartitionReport) -> None:
+        """A node agent fenced itself out of a generation it was cut off from: the node-lost entry of
+        that generation was a partition (core/fencing.py)."""
+        if (amended := amend(self.book.status.interruptions, report)) is None:
+            workflow.logger.info("partition of %s (g%s): no lost node to amend", report.node, report.generation)
+        else:
+            workflow.logger.warning("interruption amended: %s", amended.line())
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -18,10 +19,11 @@ from structlog.testing import capture_logs
 from activities.hubs import ask, open_hub
 from agent.hub import NodeHub
 from agent.node import NodeAgent
+from agent.processes import start_rank
 from agent.relay import StoreRelay
 from core.access import run_token
 from core.control import Prepare, Prepared, Refused, SendCommand, Sent
-from core.telemetry import Command, GetFile, Hello, OpenStore, PutFile, Subscribe
+from core.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
 from training import memory
 
 SECRET = b"the fleet's secret, 32 bytes ok"
@@ -164,3 +166,49 @@ async def test_the_rendezvous_store_listens_on_loopback_and_opens_only_to_the_ru
     assert any(e["event"] == "rendezvous store not reached" and "not authorized" in e["error"] for e in logs)
     for r in (relay, wrong):
         r.close()
+
+
+async def test_a_node_back_from_a_partition_cannot_join_the_new_generations_group(agent: NodeAgent) -> None:
+    """Its ranks' relay still asks for the generation it was cut off in: the store of the run's
+    current generation opens to that generation only."""
+    agent.prepare(Prepare(run_id=RUN, generation=0, open_store=True))
+    agent.prepare(Prepare(run_id=RUN, generation=1, open_store=True))  # the run moved on without the node
+    old = await refusal(agent.hub, OpenStore(run_id=RUN, generation=0), TOKEN.encode())
+    assert "no rendezvous store of generation 0" in old.error
+
+
+async def test_an_agent_unread_past_its_bound_fences_itself_out(agent: NodeAgent, tmp_path: Path) -> None:
+    """Ranks running, and the run's monitor silent: the agent stops them and keeps a partition report."""
+    process = await start_rank(0, 3, ["sleep", "60"], {}, tmp_path / "rank-0.log")
+    agent.ranks[RUN] = [process]
+    channel = agent.hub.run(RUN)
+    agent.fence_after[RUN] = 0.5
+    fencing = asyncio.create_task(agent.fence_when_cut_off(every=0.1))
+    try:
+        await asyncio.sleep(0.3)
+        channel.read_at = time.monotonic()  # the monitor acknowledged: not cut off
+        await asyncio.sleep(0.3)
+        assert agent.partitions == [] and process.exit_code is None
+        async with asyncio.timeout(5):
+            while not agent.partitions:
+                await asyncio.sleep(0.05)
+    finally:
+        fencing.cancel()
+    (report,) = agent.partitions
+    assert (report.node, report.run_id, report.generation, report.stopped) == ("n1", RUN, 3, 1)
+    assert process.exit_code is not None and RUN not in agent.ranks and RUN not in agent.fence_after
+
+
+async def test_held_ranks_are_not_fenced_however_long_nobody_reads(agent: NodeAgent, tmp_path: Path) -> None:
+    """A pause holds every rank and the monitor stops reading until a person resumes: not a partition."""
+    process = await start_rank(0, 0, ["sleep", "60"], {}, tmp_path / "rank-0.log")
+    agent.ranks[RUN] = [process]
+    agent.hub.run(RUN).append(Held(rank=0, generation=0, step=10))
+    agent.fence_after[RUN] = 0.2
+    fencing = asyncio.create_task(agent.fence_when_cut_off(every=0.05))
+    try:
+        await asyncio.sleep(0.6)
+    finally:
+        fencing.cancel()
+    assert agent.partitions == [] and process.exit_code is None
+    await agent.release(RUN)

@@ -12,16 +12,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from activities.checkpoints import validate
+from core.fencing import FENCE_FILE
 from core.telemetry import CheckpointCommitted
 from training.checkpoint import (
     MANIFEST,
     CheckpointError,
     load_checkpoint,
     partition,
+    read_fence,
     read_manifest,
     shard_filename,
     verify_shards,
     within_root,
+    write_fence,
 )
 from training.checkpointer import Checkpointer, Identity
 from training.faults import FaultInjector
@@ -140,3 +144,38 @@ def test_a_manifest_written_before_shards_listed_their_hubs_still_loads(checkpoi
         del shard["hubs"]
     path.write_text(json.dumps(body))
     assert [shard.hubs for shard in read_manifest(checkpoint).shards] == [[]]
+
+
+def test_a_generation_behind_the_fence_commits_nothing(tmp_path: Path) -> None:
+    """A node back from a partition still runs generation 0's ranks; the run has launched generation 1
+    (the launch raised the fence): their checkpoint is not renamed into place, nor announced."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    write_fence(directory, 1)
+    committed: list[Path] = []
+    writer = Checkpointer(
+        directory,
+        rank=0,
+        world_size=1,
+        store=dist.HashStore(),
+        identity=Identity("test/0000abcd", 0, "digest", CONFIG.model_dump(), 8),
+        tier=None,
+        faults=FaultInjector([], 0, 0),
+        on_commit=lambda manifest, path: committed.append(path),
+        durable="step-00000000-g0",
+    )
+    writer.save(tiny_state())
+    writer.wait()
+    assert committed == []
+    assert sorted(p.name for p in directory.iterdir()) == [FENCE_FILE], "nothing of generation 0 is left"
+    assert read_fence(directory) == 1 and write_fence(directory, 0) == 1, "an older launch does not lower it"
+
+
+async def test_the_keeper_refuses_a_checkpoint_behind_the_fence(checkpoint: Path) -> None:
+    """Committed before the fence rose past its generation (or by a writer that did not look): not the run's."""
+    first = await validate(str(checkpoint.parent.parent), str(checkpoint), None, heartbeat=lambda: None)
+    assert first is not None and first.validated
+    write_fence(checkpoint.parent, 1)
+    verdict = await validate(str(checkpoint.parent.parent), str(checkpoint), None, heartbeat=lambda: None)
+    assert verdict is not None and not verdict.validated
+    assert verdict.reason == "fenced out: written by generation 0 after generation 1 was launched"
