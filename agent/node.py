@@ -206,14 +206,8 @@ class NodeAgent:
 
     async def release(self, run_id: str) -> int:
         """The run is over here: stop its ranks, close its store, free its host memory. Returns ranks stopped."""
-        ranks = self.ranks.pop(run_id, [])
-        running = sum(r.exit_code is None for r in ranks)
-        await stop_ranks(ranks)
-        self.stores.pop(run_id, None)
-        if (relay := self.relays.pop(run_id, None)) is not None:
-            relay.close()
+        running = await self.fence(run_id)
         self.hub.runs.pop(run_id, None)
-        self.fence_after.pop(run_id, None)
         shutil.rmtree(self.hub.memory_dir / run_id, ignore_errors=True)
         log.info("run released", run_id=run_id, node=self.node, stopped=running)
         return running

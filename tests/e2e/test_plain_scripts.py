@@ -15,6 +15,7 @@ from temporalio.client import Client
 from core.run import Cause, RunState
 from core.spec import RunSpec
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
+from workers.devstack import process_alive
 from workflows.run import RunWorkflow
 
 RUNS = 10
@@ -82,11 +83,3 @@ async def test_a_rank_lingering_after_its_work_is_stopped_and_the_run_completes(
         await asyncio.sleep(0.2)
     attributes = (await handle.describe()).search_attributes
     assert attributes["RunState"] == ["COMPLETED"] and attributes["Goodput"][0] > 0  # type: ignore[operator]
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
