@@ -52,6 +52,10 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
     # records) within seconds, and on a fresh stack the first status query can come back only after that.
     collector = RecordCollector(client, handle, spec.nodes)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
+    # Ranks that die of the lost peer may not flush their last reports, and the crashed node forgets
+    # the run's records once quarantined: hold every node's reports up to here before the kill.
+    for node in spec.nodes:
+        await collector.caught_up(node, 23)
     pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)
 
