@@ -46,12 +46,10 @@ def tiny_state() -> TrainState:
     return TrainState(model, optimizer, step=7)
 
 
-@pytest.fixture
-def checkpoint(tmp_path: Path) -> Path:
-    """A committed single-rank checkpoint of the tiny GPT, written by the real asynchronous writer."""
-    committed: list[Path] = []
-    writer = Checkpointer(
-        tmp_path / "ckpt",
+def single_rank_writer(directory: Path, committed: list[Path], durable: str | None = None) -> Checkpointer:
+    """The real asynchronous writer of one rank of generation 0, telling `committed` what it commits."""
+    return Checkpointer(
+        directory,
         rank=0,
         world_size=1,
         store=dist.HashStore(),
@@ -59,7 +57,15 @@ def checkpoint(tmp_path: Path) -> Path:
         tier=None,
         faults=FaultInjector([], 0, 0),
         on_commit=lambda manifest, path: committed.append(path),
+        durable=durable,
     )
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A committed single-rank checkpoint of the tiny GPT, written by the real asynchronous writer."""
+    committed: list[Path] = []
+    writer = single_rank_writer(tmp_path / "ckpt", committed)
     writer.save(tiny_state())
     writer.wait()
     assert committed and not list((tmp_path / "ckpt").glob(".*")), "no temporary left once committed"
@@ -153,17 +159,7 @@ def test_a_generation_behind_the_fence_commits_nothing(tmp_path: Path) -> None:
     directory.mkdir()
     write_fence(directory, 1)
     committed: list[Path] = []
-    writer = Checkpointer(
-        directory,
-        rank=0,
-        world_size=1,
-        store=dist.HashStore(),
-        identity=Identity("test/0000abcd", 0, "digest", CONFIG.model_dump(), 8),
-        tier=None,
-        faults=FaultInjector([], 0, 0),
-        on_commit=lambda manifest, path: committed.append(path),
-        durable="step-00000000-g0",
-    )
+    writer = single_rank_writer(directory, committed, durable="step-00000000-g0")
     writer.save(tiny_state())
     writer.wait()
     assert committed == []
