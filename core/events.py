@@ -46,6 +46,7 @@ class MonitorInput(BaseModel):
     exit_grace: float = 30.0  # the others' time to exit once a rank has finished (HealthSpec.exit_grace)
     # Detection: the progress watchdog, the straggler checks, and what is already known (not re-reported).
     step_timeout: float | None = None  # None: auto, 3 × p99 of step times with a floor
+    known_step_s: float | None = None  # the run's slowest recent step before this generation (auto's warm-up)
     straggler_sigma: float = 3.0
     straggler_steps: int = 20
     baseline: list[float] = []  # healthy window medians of this configuration (the absolute check)

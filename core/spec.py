@@ -125,6 +125,11 @@ class PagingSpec(_Spec):
     webhook: HttpUrl | None = None  # receives each page as a JSON POST, retried; never blocks the run
 
 
+# The longest a live run monitor's readers may be away: its activity's heartbeat timeout (workflows/calls.py)
+# plus a worker's pick-up of the retry.
+MONITOR_HANDOVER_S = 15.0
+
+
 class HealthSpec(_Spec):
     step_timeout: Literal["auto"] | Seconds = "auto"  # auto: 3 × p99 of the step time, at least 10 s
     straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (seed 003 §7)
@@ -142,6 +147,20 @@ class HealthSpec(_Spec):
     # have to exit. Those still running then are stopped and the run completes: a process that
     # lingers after its work (stuck in a destructor at exit) must not hold a finished run open.
     exit_grace: Seconds = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _fence_outlasts_a_monitor_handover(self) -> HealthSpec:
+        # A run monitor whose worker died is read again only once its activity's heartbeat timeout
+        # (10 s) has passed and a worker has picked it up: every agent goes unread that long, alive
+        # and connected. A fence shorter than that stops healthy nodes' ranks as if cut off.
+        least = self.node_heartbeat_timeout + MONITOR_HANDOVER_S
+        if self.partition_fence < least:
+            raise ValueError(
+                f"health.partition_fence ({self.partition_fence:g}s) must be at least node_heartbeat_timeout + "
+                f"{MONITOR_HANDOVER_S:g}s ({least:g}s): a monitor replaced after its worker died reads the nodes "
+                "again only after that long, and a shorter fence would stop healthy nodes. Raise it"
+            )
+        return self
 
 
 class FailureLimit(_Spec):

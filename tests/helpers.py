@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -219,18 +220,27 @@ def step_reports(records: list[Record]) -> list[StepReport]:
     ]
 
 
-def samples_once(reports: list[StepReport], resumed: list[int], target: int, global_batch: int) -> bool:
-    """Every sample position up to the target read exactly once along the run's final lineage:
-    generation g's steps after where it resumed and up to where the next one resumed."""
+def sample_tally(reports: list[StepReport], resumed: list[int], target: int, global_batch: int) -> tuple[int, int, int]:
+    """(lost, repeated, out of order) sample positions up to the target along the run's final
+    lineage: generation g's steps after where it resumed and up to where the next one resumed. Out
+    of order: read at another step than the one the data order gives it."""
     starts, ends = [0, *resumed], [*resumed, target]
-    consumed = [
-        p
+    lineage = [
+        r
         for generation, (first, last) in enumerate(zip(starts, ends, strict=True))
         for r in reports
         if r.generation == generation and first < r.step <= last
-        for p in r.samples
     ]
-    return sorted(consumed) == list(range(target * global_batch))
+    consumed = Counter(p for r in lineage for p in r.samples)
+    lost = sum(1 for p in range(target * global_batch) if p not in consumed)
+    repeated = sum(n - 1 for n in consumed.values())
+    out_of_order = sum(1 for r in lineage for p in r.samples if p // global_batch + 1 != r.step)
+    return lost, repeated, out_of_order
+
+
+def samples_once(reports: list[StepReport], resumed: list[int], target: int, global_batch: int) -> bool:
+    """Every sample position up to the target read exactly once, in order, along the run's final lineage."""
+    return sample_tally(reports, resumed, target, global_batch) == (0, 0, 0)
 
 
 async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:

@@ -179,9 +179,10 @@ class FleetWorkflow:
                 task_queue=workflow.info().task_queue,
                 start_to_close_timeout=timedelta(seconds=pickup) + timedelta(minutes=10),
                 heartbeat_timeout=timedelta(seconds=30),
-                # One attempt: a test that could not finish is a failed test; the node stays out
-                # until its agent registers again or an operator asks for a retest.
-                retry_policy=RetryPolicy(maximum_attempts=1),
+                # The activity answers a failed test itself when the agent cannot run it. What it
+                # raises is the tester's own worker gone mid-test (a supervisor killed: heartbeat
+                # timeout): that node was never judged, so the test runs again on another worker.
+                retry_policy=RetryPolicy(maximum_attempts=3),
                 summary=summary,
             )
         except ActivityError as exc:

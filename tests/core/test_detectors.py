@@ -245,6 +245,22 @@ def test_step_timeout(observed: list[float], configured: float | str, timeout: f
     assert step_timeout(observed, configured=configured) == timeout  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("observed", "known", "timeout"),
+    [
+        ([], 30.0, HANG_STARTUP_S),  # a restarted generation's first step may still be warming up
+        ([200.0, 30.0, 30.0], 30.0, 90.0),  # after it: the run's known pace, not the warm-up allowance
+        ([200.0, 30.0, 40.0], 30.0, 120.0),  # the slower of the known pace and what this generation shows
+        ([200.0, 0.05], 0.05, 10.0),  # the floor holds
+        ([30.0] * 10, None, HANG_STARTUP_S),  # a run that has not measured its pace yet
+    ],
+)
+def test_a_restarted_generation_uses_the_runs_known_step_time(
+    observed: list[float], known: float | None, timeout: float
+) -> None:
+    assert step_timeout(observed, known_step_s=known) == timeout
+
+
 def test_watchdog_counts_progress_not_liveness() -> None:
     watchdog = HangWatchdog()
     assert not watchdog.overdue(now=1e9)  # no step yet: the launch has its own timeout

@@ -53,6 +53,12 @@ INVALID = [
     ("a failure window of none", {"failure_limit": {"window": "0s"}}, "failure_limit.window", None),
     ("nccl with the CPU trainer", {"backend": "nccl"}, "", "Set backend to gloo"),
     ("a backend torch has not", {"backend": "mpi"}, "backend", None),
+    (
+        "a fence shorter than a monitor handover",
+        {"health": {"node_heartbeat_timeout": "5s", "partition_fence": "8s"}},
+        "health",
+        "at least node_heartbeat_timeout + 15s (20s)",
+    ),
 ]
 
 

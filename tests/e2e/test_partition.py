@@ -94,7 +94,7 @@ def partition_spec(checkpoint_root: Path) -> RunSpec:
         checkpoint_root,
         target_step=TARGET,
         entrypoint=[*TINY_ENTRYPOINT[:-1], "40"],  # slower steps: the run outlasts the cut and the report
-        health={"node_heartbeat_timeout": "5s", "partition_fence": "12s"},
+        health={"node_heartbeat_timeout": "5s", "partition_fence": "20s"},
     )
 
 
