@@ -112,8 +112,10 @@ async def watch(
             records = [first, *streams.drain()] if first is not None else []
             places = dict(streams.read)  # everything read so far is in `records` or in the step ingest
             now = time.monotonic()
-            events: list[MonitorEvent | None] = [seen.record(r.node, r.message, now) for r in records]
-            events += seen.steps(now)
+            found = [seen.record(r.node, r.message, now) for r in records]
+            # Steps every rank completed came before any failure in the same batch (a monitor taking
+            # over reads a backlog): the generation's first step is reported before what ended it.
+            events: list[MonitorEvent | None] = [*seen.steps(now), *found]
             if now >= next_tick:
                 events.append(seen.tick(now, time.time()))
                 next_tick = now + TICK_SECONDS

@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 from temporalio.client import Client, WorkflowHandle
 
-from bench.soak_checks import RunVerdict, judge_faults, uncosted, unvalidated_resumes
+from bench.soak_checks import RunVerdict, coverage, judge_faults, uncosted, unvalidated_resumes
 from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, PlannedFault, RunPlan, plan
 from bench.soak_report import problems, summary, table
 from core.paging import PagingClass
@@ -96,6 +96,7 @@ class Soak:
     rng: random.Random
     console: Console
     reference: dict[str, Any] = field(default_factory=dict)
+    behind: list[asyncio.Task[None]] = field(default_factory=list)  # what a fault finishes while the run goes on
 
     # -- when to act -------------------------------------------------------------------------------
 
@@ -179,7 +180,8 @@ class Soak:
             return node
         elif fault.action == "partition":
             assert self.net is not None
-            await self.partition(self.net)
+            self.net.cut()  # restored once the node has fenced itself out, while the run goes on
+            self.behind.append(asyncio.create_task(self.restore_when_fenced(self.net, self.fenced())))
             return PARTITIONED
         return None
 
@@ -191,16 +193,16 @@ class Soak:
         else:
             self.stack.start_supervisor()
 
-    async def partition(self, net: Partitionable) -> None:
-        """Cut the link until the node's agent, unread, has fenced itself out; then restore it."""
+    def fenced(self) -> int:
+        """How often the partitioned node's agent has fenced itself out so far."""
         log = self.stack.state_dir / "logs" / f"agent-{PARTITIONED}.log"
-        fenced_before = log.read_text(errors="replace").count("fencing this node out")
-        net.cut()
+        return log.read_text(errors="replace").count("fencing this node out")
+
+    async def restore_when_fenced(self, net: Partitionable, before: int, timeout: float = 90) -> None:
+        """The cut link back once the node's agent, unread, has fenced itself out (or after `timeout`)."""
+        deadline = time.monotonic() + timeout
         try:
-            deadline = time.monotonic() + 60
-            while log.read_text(errors="replace").count("fencing this node out") == fenced_before:
-                if time.monotonic() > deadline:
-                    raise Missed(f"{PARTITIONED}'s agent did not fence itself out within 60s of the cut")
+            while self.fenced() == before and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
         finally:
             net.restore()
@@ -211,6 +213,7 @@ class Soak:
     async def drive(self, handle: WorkflowHandle, run: RunPlan) -> tuple[dict[int, str], dict[int, str]]:
         """The bench's own faults of `run`, in order: the node each acted on, and why any missed."""
         acted, missed = {}, {}
+        self.behind = []
         for index, fault in enumerate(run.faults):
             if fault.action is None:
                 continue
@@ -219,6 +222,7 @@ class Soak:
                     acted[index] = node
             except Missed as why:
                 missed[index] = str(why)
+        await asyncio.gather(*self.behind)
         return acted, missed
 
     # -- runs ----------------------------------------------------------------------------------------
@@ -265,7 +269,7 @@ class Soak:
         handle = await self.client.start_workflow(
             RunWorkflow.run, spec, id=f"soak-{run.index}-{int(time.time())}", task_queue=TASK_QUEUE
         )
-        collector = RecordCollector(self.client, handle, spec.nodes)
+        collector = RecordCollector(self.client, handle, [*spec.nodes, *spec.spare_nodes])
         records: dict[tuple[int, int], CheckpointRecord] = {}
         watcher = asyncio.create_task(self.watch_checkpoints(handle, records))
         driver = asyncio.create_task(self.drive(handle, run))
@@ -292,8 +296,11 @@ class Soak:
         )
         if result.state == RunState.COMPLETED:
             resumed = [i.resumed_from or 0 for i in result.interruptions]
-            tally = sample_tally(step_reports(evidence), resumed, TARGET_STEP, GLOBAL_BATCH)
+            reports = step_reports(evidence)
+            tally = sample_tally(reports, resumed, TARGET_STEP, GLOBAL_BATCH)
             verdict.samples_lost, verdict.samples_repeated, verdict.samples_out_of_order = tally
+            if verdict.samples_lost:
+                verdict.reports_missing = coverage(reports, resumed, TARGET_STEP)
             final = final_state(list(records.values()), TARGET_STEP)
             verdict.weights_equal = final.keys() == self.reference.keys() and all(
                 final[name].equal(self.reference[name]) for name in final
@@ -391,6 +398,13 @@ async def soak(args: argparse.Namespace, root: Path, console: Console) -> dict[s
     return summary(verdicts, poisoned, partitions=cannot or "real network namespace")
 
 
+def stop_once(signum: int, frame: object) -> None:
+    """A stopped bench still takes its stack and namespace down: the first SIGTERM interrupts it,
+    and more (`timeout` and a shell both passing it on) do not cut that cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="about ten faults (a few minutes on two cores)")
@@ -402,7 +416,7 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="stayalive-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # a log keeps the table whole
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped bench still takes its stack down
+    signal.signal(signal.SIGTERM, stop_once)
     figures = asyncio.run(soak(args, root, console))
     console.print(f"logs and checkpoints: {root}")
     print(json.dumps(figures))

@@ -6,11 +6,13 @@ Plain functions, no I/O: bench/soak.py gathers the evidence, these judge it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.soak_plan import PlannedFault, RunPlan
+from bench.soak_plan import WORLD_SIZE, PlannedFault, RunPlan
 from core.lifecycle import RunState
 from core.run import CheckpointRecord, Detection, Interruption
+from core.telemetry import StepReport
 
 BLAMING_DETECTIONS = {"straggler", "slowdown"}  # detections that name a culprit
 
@@ -36,6 +38,7 @@ class RunVerdict:
     samples_lost: int = 0
     samples_repeated: int = 0
     samples_out_of_order: int = 0
+    reports_missing: str = ""  # where step reports never came, when samples count as lost
     weights_equal: bool = False
     unvalidated_resumes: list[str] = field(default_factory=list)
     uncosted: list[str] = field(default_factory=list)  # interruptions without their cost
@@ -148,10 +151,25 @@ def unvalidated_resumes(
     return wrong
 
 
+def coverage(reports: list[StepReport], resumed: list[int], target: int) -> str:
+    """Where step reports are missing along the final lineage: per generation, the steps it should
+    have reported and how many each rank did (to tell lost samples from reports that never came)."""
+    starts, ends = [0, *resumed], [*resumed, target]
+    shown = []
+    for generation, (first, last) in enumerate(zip(starts, ends, strict=True)):
+        steps: Counter[int] = Counter(r.rank for r in reports if r.generation == generation and first < r.step <= last)
+        if any(n < last - first for n in steps.values()) or len(steps) < WORLD_SIZE:
+            shown.append(f"g{generation} steps {first + 1}-{last}: {dict(sorted(steps.items()))}")
+    return "; ".join(shown)
+
+
 def uncosted(interruptions: list[Interruption]) -> list[str]:
-    """Interruptions whose cost the timeline does not give: steps lost, and the seconds to recover."""
-    return [
-        f"generation {i.generation}: {i.line()}"
-        for i in interruptions
-        if i.resumed_from is None or i.lost_steps is None or i.restart_seconds is None
-    ]
+    """Interruptions whose cost the timeline does not give: steps lost, and the seconds to recover.
+    A recovery the next interruption cut short, before its generation completed a step, has no
+    seconds of its own: they run on into the next entry's."""
+    missing = []
+    for i, following in zip(interruptions, [*interruptions[1:], None], strict=True):
+        cut_short = following is not None and following.step is not None and following.step <= (i.resumed_from or 0)
+        if i.resumed_from is None or i.lost_steps is None or (i.restart_seconds is None and not cut_short):
+            missing.append(f"generation {i.generation}: {i.line()}")
+    return missing

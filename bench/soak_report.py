@@ -54,6 +54,7 @@ def problems(verdict: RunVerdict) -> list[str]:
         found.append(
             f"samples: {verdict.samples_lost} lost, {verdict.samples_repeated} repeated, "
             f"{verdict.samples_out_of_order} out of order"
+            + (f" (reports: {verdict.reports_missing})" if verdict.reports_missing else "")
         )
     found += [f"{f.fault.kind}: {f.detail}" for f in verdict.faults if not (f.caught and f.blame_right)]
     found += [f"unexplained: {u}" for u in verdict.unexpected]

@@ -40,6 +40,10 @@ def interruption_from(failure: RankFailed | NodeLost, status: RunStatus, now: da
             detail=f"exit code {failure.exit_code}" + last_line(failure.log_tail),
             actions=[f"marked {len(marked)} checkpoints after step {status.verified_step} suspect"],
         )
+    # A rank with hooks that failed before reporting a step of this generation had completed the
+    # step it resumed from: the same step failing again is then seen (a batch that kills the first
+    # step after a checkpoint), and the entry costs no steps. A plain script reports no steps at all.
+    step = failure.last_step if failure.last_step is not None or not status.spec.hooks else resumed_step(status)
     unusable = failure.exit_code == EXIT_CHECKPOINT_UNUSABLE and status.generation > 0
     if unusable and (resume := status.latest_valid_checkpoint()) is not None:
         resume.validated = False
@@ -51,9 +55,18 @@ def interruption_from(failure: RankFailed | NodeLost, status: RunStatus, now: da
         cause=Cause.CHECKPOINT_INVALID if unusable else Cause.CRASH,
         node=failure.node,
         rank=failure.rank,
-        step=failure.last_step,
+        step=step,
         detail=f"exit code {failure.exit_code}" + last_line(failure.log_tail),
     )
+
+
+def resumed_step(status: RunStatus) -> int | None:
+    """The step the current generation started from: 0 for the first, else what the interruption
+    before it resumed from (None while that is not known)."""
+    if status.generation == 0:
+        return 0
+    before = status.interruptions[-1] if status.interruptions else None
+    return before.resumed_from if before is not None and before.generation == status.generation - 1 else None
 
 
 def supersede(checkpoints: list[CheckpointRecord], step: int) -> list[CheckpointRecord]:

@@ -11,6 +11,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -133,52 +134,64 @@ async def rank_pids(client: Client, handle: WorkflowHandle) -> dict[str, dict[in
 
 
 class RecordCollector:
-    """Everything a run's node agents receive, read live the way the run monitor reads it, from every
-    node the run uses, one stream per node and generation: a spare joins later, and a node released
-    from the run (quarantined, then back after its self-test) keeps its records on a channel of its
-    own when it joins again. Agents forget a run's records once it is released."""
+    """Everything a run's node agents receive, read live the way the run monitor reads it: one stream
+    per node and generation, for every node the run may use (its nodes, its spares, any node its
+    status has shown) and every generation up to the one after the current one.
+
+    A node released from the run (quarantined, lost) forgets its records, and its agent gives the
+    run a new channel if the node joins it again: a stream opened on the old one would wait there
+    forever. So a stream whose generation has not begun on it is opened again every RESTART_S,
+    until it has: a fresh stream of a generation that has begun replays it from its first record."""
+
+    RESTART_S = 0.5
 
     def __init__(self, client: Client, handle: WorkflowHandle, nodes: list[str] | None = None) -> None:
         self.records: list[Record] = []
-        self._followed: dict[str, int] = {}  # node → the newest generation followed there
-        self._tasks: list[asyncio.Task[None]] = []
-        self._watch = asyncio.create_task(self._watch_nodes(client, handle, nodes or []))
+        self._known = list(nodes or [])
+        self._streams: dict[tuple[str, int], _Stream] = {}  # (node, generation) → its stream
+        self._watch = asyncio.create_task(self._watch_nodes(client, handle))
 
-    async def _watch_nodes(self, client: Client, handle: WorkflowHandle, nodes: list[str]) -> None:
-        # The spec's nodes are followed from the first generation at once: the run's first status
-        # may come only after a fast first generation has ended, and a node it quarantined has
-        # forgotten the run's records by then.
-        if nodes and handle.first_execution_run_id:
-            run_id = f"{handle.id}/{handle.first_execution_run_id[:8]}"
-            for node, hub in (await hubs(client, nodes)).items():
-                self._tasks += [asyncio.create_task(self._follow(hub, run_id, g)) for g in (0, 1)]
-                self._followed[node] = 1
+    async def _watch_nodes(self, client: Client, handle: WorkflowHandle) -> None:
+        run_id = f"{handle.id}/{handle.first_execution_run_id[:8]}" if handle.first_execution_run_id else None
+        generation = 0
         while True:
             with contextlib.suppress(Exception):
-                status = await handle.query(RunWorkflow.status_query)
-                for node, hub in (await hubs(client, status.nodes)).items():
-                    # Every generation since the last one followed here (all of them for a node not seen
-                    # before), and the next one ahead of time: a query can stall for seconds during a
-                    # launch, and a short generation may pass, and its node be released, unseen.
-                    since = self._followed.get(node, -1) + 1
-                    for generation in range(since, status.generation + 2):
-                        self._tasks.append(asyncio.create_task(self._follow(hub, status.run_id, generation)))
-                    self._followed[node] = max(status.generation + 1, self._followed.get(node, -1))
+                # The status may stall for seconds during a launch: the known nodes are followed
+                # one generation ahead of the newest status, from the run's start on.
+                status = await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=5)
+                run_id, generation = status.run_id, status.generation
+                self._known += [n for n in status.nodes if n not in self._known]
+            with contextlib.suppress(Exception):
+                if run_id is not None and self._known:
+                    where = await hubs(client, self._known)
+                    for node, hub in where.items():
+                        for g in range(generation + 2):
+                            self._keep(node, hub, run_id, g)
             await asyncio.sleep(0.2)
 
-    async def _follow(self, hub: str, run_id: str, generation: int) -> None:
+    def _keep(self, node: str, hub: str, run_id: str, generation: int) -> None:
+        stream = self._streams.get((node, generation))
+        if stream is not None and (stream.begun or time.monotonic() - stream.opened < self.RESTART_S):
+            return
+        if stream is not None:
+            stream.task.cancel()
+        fresh = _Stream(opened=time.monotonic())
+        fresh.task = asyncio.create_task(self._follow(fresh, hub, run_id, generation))
+        self._streams[(node, generation)] = fresh
+
+    async def _follow(self, stream: _Stream, hub: str, run_id: str, generation: int) -> None:
         """One generation's records on one node (a record of no generation, such as a GPU reading,
-        comes with the stream that was first to see it)."""
+        comes with the stream that was first to see it). Only a stream that has begun files records:
+        one opened again replays what an earlier one of the same generation had not."""
         reader, writer = await subscribe(hub, Subscribe(run_id=run_id, generation=generation))
-        begun = False  # its generation's records came: a stream opened ahead of it takes none of no generation
         try:
             while line := await reader.readline():
                 if line.startswith(b'{"t":"beat"'):
                     continue
                 record = Record.model_validate_json(line)
                 of = getattr(record.message, "generation", None)
-                begun = begun or of == generation
-                if of == generation or (of is None and begun):
+                stream.begun = stream.begun or of == generation
+                if of == generation or (of is None and stream.begun):
                     self.records.append(record)
         finally:
             writer.close()
@@ -189,14 +202,21 @@ class RecordCollector:
         deadline = time.monotonic() + timeout
         while max((r.step for r in step_reports([r for r in self.records if r.node == node])), default=0) < step:
             if time.monotonic() > deadline:
-                followed = self._followed.get(node)
-                raise TimeoutError(f"no step {step} from {node} in {timeout}s (generations followed: up to {followed})")
+                begun = sorted(g for (n, g), s in self._streams.items() if n == node and s.begun)
+                raise TimeoutError(f"no step {step} from {node} in {timeout}s (generations begun there: {begun})")
             await asyncio.sleep(0.05)
 
     def stop(self) -> list[Record]:
-        for task in [self._watch, *self._tasks]:
+        for task in [self._watch, *(s.task for s in self._streams.values())]:
             task.cancel()
         return self.records
+
+
+@dataclass
+class _Stream:
+    opened: float
+    begun: bool = False  # its generation's records came: kept open from then on
+    task: asyncio.Task[None] = field(init=False)
 
 
 def step_reports(records: list[Record]) -> list[StepReport]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak_plan import CHECKPOINT_EVERY, KINDS, LAST_STEP, PARTITION_KINDS, WORLD_SIZE, plan
+from bench.soak_plan import CHECKPOINT_EVERY, KINDS, LAST_STEP, PARTITION_KINDS, STRAGGLER_STEPS, WORLD_SIZE, plan
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -29,7 +29,9 @@ def test_every_run_keeps_the_rules(seed: int) -> None:
                 assert fault.step % CHECKPOINT_EVERY == 0 and fault.rank == fault.step // CHECKPOINT_EVERY % WORLD_SIZE
             if fault.kind == "straggler":
                 follower = faults[position + 1]
-                assert follower.interrupts and follower.step - fault.step >= 60, "its generation ends soon after"
+                assert follower.interrupts and follower.step - fault.step >= STRAGGLER_STEPS, (
+                    "its generation ends soon after"
+                )
             if fault.on_restart or fault.kind == "crash_after_restart":
                 assert faults[position - 1].interrupts
         failed_at = [f.step - 1 for f in faults if f.interrupts and f.expect.cause != "node_lost" and not f.action]
