@@ -133,8 +133,10 @@ class NodeAgent:
         rendezvous = None
         if request.open_store:
             # torchrun gives every restart a new store: keys of the last attempt must not leak into this one.
-            self.stores.pop(request.run_id, None)
-            self.stores[request.run_id] = (request.generation, loopback_store())
+            # The same generation again is a retried launch (a supervisor that died before it recorded
+            # the first): its ranks may be running on that store already, so it stays.
+            if self.stores.get(request.run_id, (None, None))[0] != request.generation:
+                self.stores[request.run_id] = (request.generation, loopback_store())
             rendezvous = self.hub.endpoint  # the store is reached through this hub (agent/relay.py)
         log.info("generation prepared", run_id=request.run_id, node=self.node, generation=request.generation)
         return Prepared(rendezvous=rendezvous)

@@ -40,27 +40,26 @@ from rich.console import Console
 from temporalio.client import Client, WorkflowHandle
 
 from bench.soak_checks import RunVerdict, coverage, judge_faults, uncosted, unvalidated_resumes
-from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, PlannedFault, RunPlan, plan
+from bench.soak_faults import FaultDriver, status_of
+from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, RunPlan, plan
 from bench.soak_report import problems, summary, table
 from core.paging import PagingClass
 from core.run import CheckpointRecord, RunResult, RunState
 from core.spec import RunSpec
-from core.telemetry import NodeSteps, RankStarted, Record, Subscribe
-from tests.helpers import TINY_ENTRYPOINT, RecordCollector, final_state, hubs, sample_tally, step_reports, subscribe
+from core.telemetry import RankStarted
+from tests.helpers import TINY_ENTRYPOINT, RecordCollector, final_state, sample_tally, step_reports
 from workers.devstack import DevStack, free_port
 from workers.netns import Partitionable, usable
 from workers.secret import SECRET_ENV, create_secret
 from workers.temporal import connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
+from workflows.run import TASK_QUEUE, RunWorkflow
 
 REPO = Path(__file__).resolve().parent.parent
 NODES, SPARES = ["n1", "n2"], ["n3", "n4"]
-PARTITIONED = "n2"  # the node whose agent lives in a network namespace, where one can be made
 GLOBAL_BATCH = 8
 RUN_TIMEOUT_S = 600.0
 DEVICE_MS = 50  # TARGET_STEP steps of it outlast a partition's fence and report after a cut at the first fault
-DOWN_S = 2.0  # how long a killed supervisor or server stays down
 
 
 def soak_spec(root: Path, name: str, faults: list[dict[str, Any]], **more: Any) -> RunSpec:
@@ -92,138 +91,8 @@ class Soak:
     stack: DevStack
     client: Client
     root: Path
-    net: Partitionable | None
-    rng: random.Random
-    console: Console
+    faults: FaultDriver
     reference: dict[str, Any] = field(default_factory=dict)
-    behind: list[asyncio.Task[None]] = field(default_factory=list)  # what a fault finishes while the run goes on
-
-    # -- when to act -------------------------------------------------------------------------------
-
-    async def status(self, handle: WorkflowHandle) -> Any:
-        """The run's status, waiting out a supervisor or server that is down."""
-        while True:
-            with contextlib.suppress(Exception):
-                return await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=5)
-            await asyncio.sleep(0.3)
-
-    async def reached(self, handle: WorkflowHandle, generation: int, step: int) -> bool:
-        """Until the run's generation `generation` reports `step` on its first node; False if that
-        generation ended first."""
-        while True:
-            status = await self.status(handle)
-            if status.generation > generation or status.state.terminal:
-                return False
-            if status.generation == generation and status.state == RunState.RUNNING:
-                break
-            await asyncio.sleep(0.2)
-        hub = (await hubs(self.client, status.nodes[:1]))[status.nodes[0]]
-        reader, writer = await subscribe(hub, Subscribe(run_id=status.run_id, generation=generation))
-        try:
-            while True:
-                try:
-                    line = await asyncio.wait_for(reader.readline(), timeout=3)
-                except TimeoutError:
-                    if (await self.status(handle)).generation != generation:
-                        return False
-                    continue
-                if not line:
-                    return False
-                if not line.startswith(b'{"t":"beat"'):
-                    message = Record.model_validate_json(line).message
-                    if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
-                        return True
-        finally:
-            writer.close()
-
-    async def interrupted(self, handle: WorkflowHandle, generation: int, timeout: float = 120) -> bool:
-        """Until the timeline holds an interruption of `generation`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = await self.status(handle)
-            if any(i.generation == generation for i in status.interruptions):
-                return True
-            if status.state.terminal:
-                return False
-            await asyncio.sleep(0.3)
-        return False
-
-    # -- what the bench does itself ------------------------------------------------------------------
-
-    async def act(self, handle: WorkflowHandle, fault: PlannedFault) -> str | None:
-        """Carry out one fault of the bench's own; the node it acted on, if any."""
-        if fault.on_restart:
-            if not await self.interrupted(handle, fault.generation - 1):
-                raise Missed(f"no restart after generation {fault.generation - 1} to land in")
-        elif not await self.reached(handle, fault.generation, fault.step):
-            raise Missed(f"generation {fault.generation} ended before step {fault.step}")
-        nodes = (await self.status(handle)).nodes
-        if fault.action in ("supervisor_killed", "supervisor_killed_in_restart"):
-            await self.down("supervisor")
-        elif fault.action == "server_killed":
-            await self.down("temporal")
-        elif fault.action == "agent_killed":
-            node = self.rng.choice(nodes)
-            self.stack.kill(f"agent-{node}")
-            await self.interrupted(handle, fault.generation)
-            self.start_agent(node)  # back: it registers, passes its self-test, and is a spare again
-            return node
-        elif fault.action == "supervisor_killed_in_drain":
-            node = self.rng.choice(nodes)
-            drain = asyncio.create_task(
-                handle.execute_update(RunWorkflow.drain_node, DrainNode(node=node, reason="soak: a planned drain"))
-            )
-            await asyncio.sleep(0.3)
-            await self.down("supervisor")
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(drain, timeout=60)
-            return node
-        elif fault.action == "partition":
-            assert self.net is not None
-            self.net.cut()  # restored once the node has fenced itself out, while the run goes on
-            self.behind.append(asyncio.create_task(self.restore_when_fenced(self.net, self.fenced())))
-            return PARTITIONED
-        return None
-
-    async def down(self, process: str) -> None:
-        self.stack.kill(process)
-        await asyncio.sleep(DOWN_S)
-        if process == "temporal":
-            self.stack.start_temporal()
-        else:
-            self.stack.start_supervisor()
-
-    def fenced(self) -> int:
-        """How often the partitioned node's agent has fenced itself out so far."""
-        log = self.stack.state_dir / "logs" / f"agent-{PARTITIONED}.log"
-        return log.read_text(errors="replace").count("fencing this node out")
-
-    async def restore_when_fenced(self, net: Partitionable, before: int, timeout: float = 90) -> None:
-        """The cut link back once the node's agent, unread, has fenced itself out (or after `timeout`)."""
-        deadline = time.monotonic() + timeout
-        try:
-            while self.fenced() == before and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-        finally:
-            net.restore()
-
-    def start_agent(self, node: str) -> None:
-        self.stack.start_agent(node, netns=self.net if node == PARTITIONED else None)
-
-    async def drive(self, handle: WorkflowHandle, run: RunPlan) -> tuple[dict[int, str], dict[int, str]]:
-        """The bench's own faults of `run`, in order: the node each acted on, and why any missed."""
-        acted, missed = {}, {}
-        self.behind = []
-        for index, fault in enumerate(run.faults):
-            if fault.action is None:
-                continue
-            try:
-                if (node := await self.act(handle, fault)) is not None:
-                    acted[index] = node
-            except Missed as why:
-                missed[index] = str(why)
-        await asyncio.gather(*self.behind)
-        return acted, missed
 
     # -- runs ----------------------------------------------------------------------------------------
 
@@ -257,7 +126,7 @@ class Soak:
         """Every checkpoint record the run shows, newest state of each: retention drops records a
         resume may have used."""
         while True:
-            status = await self.status(handle)
+            status = await status_of(handle)
             for record in [*status.rejected_checkpoints, *status.checkpoints]:
                 into[(record.step, record.generation)] = record
             await asyncio.sleep(1)
@@ -272,7 +141,7 @@ class Soak:
         collector = RecordCollector(self.client, handle, [*spec.nodes, *spec.spare_nodes])
         records: dict[tuple[int, int], CheckpointRecord] = {}
         watcher = asyncio.create_task(self.watch_checkpoints(handle, records))
-        driver = asyncio.create_task(self.drive(handle, run))
+        driver = asyncio.create_task(self.faults.drive(handle, run))
         try:
             result = await asyncio.wait_for(self.result(handle), RUN_TIMEOUT_S)
             acted, missed = await asyncio.wait_for(driver, timeout=120)
@@ -280,7 +149,7 @@ class Soak:
         finally:
             watcher.cancel()
             driver.cancel()
-        status = await self.status(handle)
+        status = await status_of(handle)
         for record in [*status.rejected_checkpoints, *status.checkpoints]:
             records[(record.step, record.generation)] = record
         evidence = collector.stop()
@@ -326,7 +195,7 @@ class Soak:
         spec = soak_spec(self.root, "soak-poisoned", poison, paging={"jsonl": str(pages)})
         handle = await self.client.start_workflow(RunWorkflow.run, spec, id="soak-poisoned", task_queue=TASK_QUEUE)
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (status := await self.status(handle)).state != RunState.STOPPED and not status.state.terminal:
+        while (status := await status_of(handle)).state != RunState.STOPPED and not status.state.terminal:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
@@ -345,10 +214,6 @@ class Soak:
             and bool(deterministic)
         )
         return held, f"{status.state.value} after {len(status.interruptions)} crashes; {len(deterministic)} page(s)"
-
-
-class Missed(Exception):
-    """A fault of the bench's own found no moment to land in (its generation ended first)."""
 
 
 async def soak(args: argparse.Namespace, root: Path, console: Console) -> dict[str, Any]:
@@ -372,9 +237,10 @@ async def soak(args: argparse.Namespace, root: Path, console: Console) -> dict[s
         stack.start_supervisor()
         os.environ[SECRET_ENV] = str(stack.secret_file)
         client = await connect(plain(stack.address))
-        bench = Soak(stack, client, root, net, random.Random(args.seed), console)
+        faults = FaultDriver(stack, client, net, random.Random(args.seed))
+        bench = Soak(stack, client, root, faults)
         for node in stack.nodes:
-            bench.start_agent(node)
+            faults.start_agent(node)
         await stack.ready()
         console.print(f"{sum(len(r.faults) for r in runs)} faults in {len(runs)} runs, seed {args.seed}")
         await bench.reference_run()

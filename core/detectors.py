@@ -275,23 +275,26 @@ def step_timeout(
     configured: float | Literal["auto"] = "auto",
     startup_s: float = HANG_STARTUP_S,
     known_step_s: float | None = None,
+    warm: bool = False,
 ) -> float:
     """How long a run may go without completing a step before it counts as hung: the configured
     seconds (HealthSpec.step_timeout), or with "auto" 3 × p99 of the observed step times, at least
-    `floor_s`. While fewer than MIN_STEP_SAMPLES steps have been seen: `startup_s` until the first
-    is done; after it, 3 × the slower of `known_step_s` (the run's step time before this generation)
-    and the steps seen since the first, when the run knows its step time."""
+    `floor_s`. While fewer than MIN_STEP_SAMPLES steps have been seen, and the run knows its step
+    time (`known_step_s`, from before this generation): 3 × the slower of that and the steps seen
+    after the generation's first; `startup_s` until the first is done. `warm`: it was done before this
+    watch began (a monitor taking over a running generation), and every step seen counts."""
     if configured != "auto":
         return float(configured)
     seconds = np.asarray(observed_step_seconds, dtype=np.float64)
     seconds = seconds[~np.isnan(seconds)]
     if seconds.size >= MIN_STEP_SAMPLES:
         return max(floor_s, HANG_FACTOR * float(np.percentile(seconds, 99)))
-    if known_step_s is None or seconds.size == 0:
+    if known_step_s is None or (seconds.size == 0 and not warm):
         return max(floor_s, startup_s)
     # A restarted generation past its first step runs at the run's known pace: a hang 10 steps after
-    # a restart is caught in seconds, not after the warm-up allowance.
-    return max(floor_s, HANG_FACTOR * max(known_step_s, *seconds[1:]))
+    # a restart, or one a monitor taking over finds, is caught in seconds, not after the warm-up allowance.
+    counted = seconds if warm else seconds[1:]
+    return max(floor_s, HANG_FACTOR * max([known_step_s, *counted.tolist()]))
 
 
 def overdue(now: float, last_progress_at: float, timeout: float) -> bool:
@@ -309,10 +312,12 @@ class HangWatchdog:
         floor_s: float = HANG_FLOOR_S,
         history: int = 1000,
         known_step_s: float | None = None,
+        warm: bool = False,
     ) -> None:
         self.configured = configured
         self.floor_s = floor_s
         self.known_step_s = known_step_s
+        self.warm = warm
         self._seconds = np.full(history, np.nan)
         self._next = 0
         self.last_step = -1
@@ -331,7 +336,9 @@ class HangWatchdog:
 
     @property
     def timeout(self) -> float:
-        return step_timeout(self._seconds, self.floor_s, self.configured, known_step_s=self.known_step_s)
+        return step_timeout(
+            self._seconds, self.floor_s, self.configured, known_step_s=self.known_step_s, warm=self.warm
+        )
 
     def overdue(self, now: float) -> bool:
         return self.last_progress_at is not None and overdue(now, self.last_progress_at, self.timeout)

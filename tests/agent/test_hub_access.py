@@ -168,6 +168,20 @@ async def test_the_rendezvous_store_listens_on_loopback_and_opens_only_to_the_ru
         r.close()
 
 
+async def test_a_retried_launch_keeps_the_store_its_generations_ranks_use(agent: NodeAgent) -> None:
+    """A supervisor that died after launching a generation, before recording it, launches it again
+    once its workflow task is replayed: the ranks already on that generation's store must keep it
+    (the soak saw them crash "Failed to recv" when it was replaced). A new generation gets a new one."""
+    agent.prepare(Prepare(run_id=RUN, generation=4, open_store=True))
+    first = agent.stores[RUN][1]
+    await asyncio.to_thread(first.set, "rank0", "joined")
+    agent.prepare(Prepare(run_id=RUN, generation=4, open_store=True))
+    assert agent.stores[RUN][1] is first
+    assert await asyncio.to_thread(first.get, "rank0") == b"joined"
+    agent.prepare(Prepare(run_id=RUN, generation=5, open_store=True))
+    assert agent.stores[RUN][1] is not first and agent.stores[RUN][0] == 5
+
+
 async def test_a_node_back_from_a_partition_cannot_join_the_new_generations_group(agent: NodeAgent) -> None:
     """Its ranks' relay still asks for the generation it was cut off in: the store of the run's
     current generation opens to that generation only."""

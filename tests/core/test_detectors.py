@@ -261,6 +261,20 @@ def test_a_restarted_generation_uses_the_runs_known_step_time(
     assert step_timeout(observed, known_step_s=known) == timeout
 
 
+@pytest.mark.parametrize(
+    ("observed", "known", "timeout"),
+    [
+        ([], 30.0, 90.0),  # a monitor taking over a hung generation: the known pace at once
+        ([40.0], 30.0, 120.0),  # every step it saw counts: none of them was a warm-up
+        ([], None, HANG_STARTUP_S),  # nothing known: the allowance
+    ],
+)
+def test_a_monitor_taking_over_past_the_first_step_needs_no_warm_up(
+    observed: list[float], known: float | None, timeout: float
+) -> None:
+    assert step_timeout(observed, known_step_s=known, warm=True) == timeout
+
+
 def test_watchdog_counts_progress_not_liveness() -> None:
     watchdog = HangWatchdog()
     assert not watchdog.overdue(now=1e9)  # no step yet: the launch has its own timeout

@@ -1,0 +1,174 @@
+"""The soak's own faults (bench/soak.py): what the bench does to a run from outside its ranks, and
+when. It waits for the moment a fault is planned for (a generation's step, or the restart after the
+fault before it), then kills a node agent, the supervisor or the dev server, cuts a namespaced node's
+link, or drains a node and kills the supervisor during the drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+
+from bench.soak_plan import PlannedFault, RunPlan
+from core.run import RunState, RunStatus
+from core.telemetry import NodeSteps, Record, Subscribe
+from tests.helpers import hubs, subscribe
+from workers.devstack import DevStack
+from workers.netns import Partitionable
+from workflows.run import DrainNode, RunWorkflow
+
+PARTITIONED = "n2"  # the node whose agent lives in a network namespace, where one can be made
+DOWN_S = 2.0  # how long a killed supervisor or server stays down
+
+
+async def status_of(handle: WorkflowHandle) -> RunStatus:
+    """The run's status, waiting out a supervisor or server that is down."""
+    while True:
+        with contextlib.suppress(Exception):
+            return await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=5)
+        await asyncio.sleep(0.3)
+
+
+class Missed(Exception):
+    """A fault of the bench's own found no moment to land in (its generation ended first)."""
+
+
+@dataclass
+class FaultDriver:
+    stack: DevStack
+    client: Client
+    net: Partitionable | None
+    rng: random.Random
+    behind: list[asyncio.Task[None]] = field(default_factory=list)  # what a fault finishes while the run goes on
+
+    # -- when to act -------------------------------------------------------------------------------
+
+    async def reached(self, handle: WorkflowHandle, generation: int, step: int) -> bool:
+        """Until the run's generation `generation` reports `step` on its first node; False if that
+        generation ended first."""
+        while True:
+            status = await status_of(handle)
+            if status.generation > generation or status.state.terminal:
+                return False
+            if status.generation == generation and status.state == RunState.RUNNING:
+                break
+            await asyncio.sleep(0.2)
+        hub = (await hubs(self.client, status.nodes[:1]))[status.nodes[0]]
+        reader, writer = await subscribe(hub, Subscribe(run_id=status.run_id, generation=generation))
+        try:
+            while True:
+                try:
+                    line = await asyncio.wait_for(reader.readline(), timeout=3)
+                except TimeoutError:
+                    if (await status_of(handle)).generation != generation:
+                        return False
+                    continue
+                if not line:
+                    return False
+                if not line.startswith(b'{"t":"beat"'):
+                    message = Record.model_validate_json(line).message
+                    if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
+                        return True
+        finally:
+            writer.close()
+
+    async def interrupted(self, handle: WorkflowHandle, generation: int, timeout: float = 120) -> bool:
+        """Until the timeline holds an interruption of `generation`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = await status_of(handle)
+            if any(i.generation == generation for i in status.interruptions):
+                return True
+            if status.state.terminal:
+                return False
+            await asyncio.sleep(0.3)
+        return False
+
+    # -- what the bench does itself ------------------------------------------------------------------
+
+    async def act(self, handle: WorkflowHandle, fault: PlannedFault) -> str | None:
+        """Carry out one fault of the bench's own; the node it acted on, if any."""
+        if fault.on_restart:
+            if not await self.interrupted(handle, fault.generation - 1):
+                raise Missed(f"no restart after generation {fault.generation - 1} to land in")
+        elif not await self.reached(handle, fault.generation, fault.step):
+            raise Missed(f"generation {fault.generation} ended before step {fault.step}")
+        nodes = (await status_of(handle)).nodes
+        if fault.action in ("supervisor_killed", "supervisor_killed_in_restart"):
+            await self.down("supervisor")
+        elif fault.action == "server_killed":
+            await self.down("temporal")
+        elif fault.action == "agent_killed":
+            node = self.rng.choice(nodes)
+            self.stack.kill(f"agent-{node}")
+            await self.interrupted(handle, fault.generation)
+            self.start_agent(node)  # back: it registers, passes its self-test, and is a spare again
+            return node
+        elif fault.action == "supervisor_killed_in_drain":
+            node = self.rng.choice(nodes)
+            request = DrainNode(node=node, reason="soak: a planned drain")
+            self.behind.append(
+                asyncio.create_task(self.answered(handle.execute_update(RunWorkflow.drain_node, request)))
+            )
+            await asyncio.sleep(0.3)
+            await self.down("supervisor")
+            return node
+        elif fault.action == "partition":
+            assert self.net is not None
+            self.net.cut()  # restored once the node has fenced itself out, while the run goes on
+            self.behind.append(asyncio.create_task(self.restore_when_fenced(self.net, self.fenced())))
+            return PARTITIONED
+        return None
+
+    @staticmethod
+    async def answered(update: Coroutine[Any, Any, str]) -> None:
+        """The drain's answer, once the restarted supervisor gives it: the run goes on meanwhile (the
+        timeline, not the answer, is what the checks read)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(update, timeout=120)
+
+    async def down(self, process: str) -> None:
+        self.stack.kill(process)
+        await asyncio.sleep(DOWN_S)
+        if process == "temporal":
+            self.stack.start_temporal()
+        else:
+            self.stack.start_supervisor()
+
+    def fenced(self) -> int:
+        """How often the partitioned node's agent has fenced itself out so far."""
+        log = self.stack.state_dir / "logs" / f"agent-{PARTITIONED}.log"
+        return log.read_text(errors="replace").count("fencing this node out")
+
+    async def restore_when_fenced(self, net: Partitionable, before: int, timeout: float = 90) -> None:
+        """The cut link back once the node's agent, unread, has fenced itself out (or after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self.fenced() == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            net.restore()
+
+    def start_agent(self, node: str) -> None:
+        self.stack.start_agent(node, netns=self.net if node == PARTITIONED else None)
+
+    async def drive(self, handle: WorkflowHandle, run: RunPlan) -> tuple[dict[int, str], dict[int, str]]:
+        """The bench's own faults of `run`, in order: the node each acted on, and why any missed."""
+        acted, missed = {}, {}
+        self.behind = []
+        for index, fault in enumerate(run.faults):
+            if fault.action is None:
+                continue
+            try:
+                if (node := await self.act(handle, fault)) is not None:
+                    acted[index] = node
+            except Missed as why:
+                missed[index] = str(why)
+        await asyncio.gather(*self.behind)
+        return acted, missed
