@@ -16,7 +16,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 
 from bench.soak_plan import PlannedFault, RunPlan
-from core.run import RunState, RunStatus
+from core.run import RunStatus
 from core.telemetry import NodeSteps, Record, Subscribe
 from tests.helpers import hubs, subscribe
 from workers.devstack import DevStack
@@ -46,37 +46,57 @@ class FaultDriver:
     net: Partitionable | None
     rng: random.Random
     behind: list[asyncio.Task[None]] = field(default_factory=list)  # what a fault finishes while the run goes on
+    where: dict[str, str] = field(default_factory=dict)  # node → its agent's hub, as last heard
 
     # -- when to act -------------------------------------------------------------------------------
 
+    async def hubs(self) -> dict[str, str]:
+        """Where every node's agent listens: asked of the fleet (which needs a supervisor), else as
+        last heard, so that a fault right after the supervisor was killed still finds its moment."""
+        with contextlib.suppress(Exception):
+            self.where = await asyncio.wait_for(hubs(self.client, self.stack.nodes), timeout=3)
+        return self.where
+
     async def reached(self, handle: WorkflowHandle, generation: int, step: int) -> bool:
-        """Until the run's generation `generation` reports `step` on its first node; False if that
-        generation ended first."""
-        while True:
-            status = await status_of(handle)
-            if status.generation > generation or status.state.terminal:
-                return False
-            if status.generation == generation and status.state == RunState.RUNNING:
-                break
-            await asyncio.sleep(0.2)
-        hub = (await hubs(self.client, status.nodes[:1]))[status.nodes[0]]
-        reader, writer = await subscribe(hub, Subscribe(run_id=status.run_id, generation=generation))
+        """Until the run's generation `generation` reports `step` on any node, read from the agents
+        themselves (the workflow's status needs a supervisor, which may be the fault before); False
+        once a record of a later generation shows that one ended first."""
+        run_id = f"{handle.id}/{(handle.first_execution_run_id or '')[:8]}"
+        lines: asyncio.Queue[bytes] = asyncio.Queue()
+        readers = [
+            asyncio.create_task(self._read(hub, Subscribe(run_id=run_id, generation=generation), lines))
+            for hub in (await self.hubs()).values()
+        ]
         try:
             while True:
                 try:
-                    line = await asyncio.wait_for(reader.readline(), timeout=3)
+                    line = await asyncio.wait_for(lines.get(), timeout=5)
                 except TimeoutError:
-                    if (await status_of(handle)).generation != generation:
-                        return False
+                    with contextlib.suppress(Exception):
+                        status = await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=3)
+                        if status.state.terminal or status.generation > generation:
+                            return False
                     continue
-                if not line:
+                message = Record.model_validate_json(line).message
+                if (of := getattr(message, "generation", None)) is not None and of > generation:
                     return False
-                if not line.startswith(b'{"t":"beat"'):
-                    message = Record.model_validate_json(line).message
-                    if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
-                        return True
+                if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
+                    return True
         finally:
-            writer.close()
+            for reader in readers:
+                reader.cancel()
+
+    @staticmethod
+    async def _read(hub: str, subscription: Subscribe, into: asyncio.Queue[bytes]) -> None:
+        """One agent's records of the run, into `into` (an agent that cannot be reached adds none)."""
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            reader, writer = await subscribe(hub, subscription)
+            try:
+                while line := await reader.readline():
+                    if not line.startswith(b'{"t":"beat"'):
+                        into.put_nowait(line)
+            finally:
+                writer.close()
 
     async def interrupted(self, handle: WorkflowHandle, generation: int, timeout: float = 120) -> bool:
         """Until the timeline holds an interruption of `generation`."""
