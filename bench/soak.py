@@ -255,6 +255,9 @@ async def soak(args: argparse.Namespace, root: Path, console: Console) -> dict[s
             )
             for problem in problems(verdict):
                 console.print(f"  [red]{problem}[/red]")
+            for late in faults.late:
+                console.print(f"  {late}")
+            faults.late.clear()
         poisoned = await bench.poisoned_batch()
     finally:
         stack.stop()
