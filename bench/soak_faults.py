@@ -25,6 +25,7 @@ from workflows.run import DrainNode, RunWorkflow
 
 PARTITIONED = "n2"  # the node whose agent lives in a network namespace, where one can be made
 DOWN_S = 2.0  # how long a killed supervisor or server stays down
+REOPEN_S = 2.0  # how often a fault waiting for its step opens its streams to the agents again
 
 
 async def status_of(handle: WorkflowHandle) -> RunStatus:
@@ -61,28 +62,35 @@ class FaultDriver:
     async def reached(self, handle: WorkflowHandle, generation: int, step: int) -> bool:
         """Until the run's generation `generation` reports `step` on any node, read from the agents
         themselves (the workflow's status needs a supervisor, which may be the fault before); False
-        once a record of a later generation shows that one ended first."""
+        once a record of a later generation, or the status, shows that one ended first. The streams
+        are opened again every REOPEN_S: an agent gives a node released and taken back a new channel
+        of the run, and a stream on the old one hears nothing (a fresh one replays the generation)."""
         run_id = f"{handle.id}/{(handle.first_execution_run_id or '')[:8]}"
         lines: asyncio.Queue[bytes] = asyncio.Queue()
-        readers = [
-            asyncio.create_task(self._read(hub, Subscribe(run_id=run_id, generation=generation), lines))
-            for hub in (await self.hubs()).values()
-        ]
+        readers: list[asyncio.Task[None]] = []
         try:
             while True:
-                try:
-                    line = await asyncio.wait_for(lines.get(), timeout=5)
-                except TimeoutError:
-                    with contextlib.suppress(Exception):
-                        status = await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=3)
-                        if status.state.terminal or status.generation > generation:
-                            return False
-                    continue
-                message = Record.model_validate_json(line).message
-                if (of := getattr(message, "generation", None)) is not None and of > generation:
-                    return False
-                if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
-                    return True
+                for reader in readers:
+                    reader.cancel()
+                subscription = Subscribe(run_id=run_id, generation=generation)
+                readers = [
+                    asyncio.create_task(self._read(hub, subscription, lines)) for hub in (await self.hubs()).values()
+                ]
+                deadline = time.monotonic() + REOPEN_S
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        line = await asyncio.wait_for(lines.get(), timeout=left)
+                    except TimeoutError:
+                        break
+                    message = Record.model_validate_json(line).message
+                    if (of := getattr(message, "generation", None)) is not None and of > generation:
+                        return False
+                    if isinstance(message, NodeSteps) and message.generation == generation and message.step >= step:
+                        return True
+                with contextlib.suppress(Exception):
+                    status = await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=3)
+                    if status.state.terminal or status.generation > generation:
+                        return False
         finally:
             for reader in readers:
                 reader.cancel()
