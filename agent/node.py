@@ -233,6 +233,7 @@ class NodeAgent:
                 generation = max(r.generation for r in ranks)
                 log.warning("cut off from the run: fencing this node out", run_id=run_id, generation=generation)
                 stopped = await self.fence(run_id)
+                log.warning("fenced out of the run", run_id=run_id, generation=generation, stopped=stopped)
                 report = PartitionReport(
                     node=self.node,
                     run_id=run_id,

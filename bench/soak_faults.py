@@ -177,7 +177,7 @@ class FaultDriver:
     def fenced(self) -> int:
         """How often the partitioned node's agent has fenced itself out so far."""
         log = self.stack.state_dir / "logs" / f"agent-{PARTITIONED}.log"
-        return log.read_text(errors="replace").count("fencing this node out")
+        return log.read_text(errors="replace").count("fenced out of the run")
 
     async def restore_when_fenced(self, net: Partitionable, before: int, timeout: float = 90) -> None:
         """The cut link back once the node's agent, unread, has fenced itself out (or after `timeout`)."""

@@ -123,12 +123,13 @@ async def test_a_partitioned_node_is_fenced_out_and_the_run_completes_without_it
 
     net.cut()
     try:
-        # The run takes n2 for lost, goes on on the spare, and n2's agent, unread, fences itself out.
+        # The run takes n2 for lost, goes on on the spare, and n2's agent, unread, fences itself out
+        # (its ranks stopped by the time it logs so).
         moved_on = await wait_until(handle, lambda s: s.generation >= 1 and s.state == RunState.RUNNING, timeout=120)
         assert moved_on.nodes == ["n1", "n3"]
         agent_log = stack.state_dir / "logs" / "agent-n2.log"
         for _ in range(300):
-            if "fencing this node out" in agent_log.read_text():
+            if "fenced out of the run" in agent_log.read_text():
                 break
             await asyncio.sleep(0.1)
         else:
