@@ -18,6 +18,7 @@ view, the embedded development stack and the demo.
     stayalive fleet retest NODE       self-test a quarantined node again (after a repair)
     stayalive fleet quarantine NODE REASON
                                       take a node out of the pool until it passes a self-test
+    stayalive slurm run SPEC          inside a Slurm allocation: an agent per node, the run, requeue-safe
 
 Temporal's address, namespace and TLS settings are the temporal CLI's, flags or environment
 (--address/TEMPORAL_ADDRESS, --tls-cert-path/TEMPORAL_TLS_CLIENT_CERT_PATH, …); without an address
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -36,7 +36,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NoReturn
 
-from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError
@@ -45,48 +44,17 @@ from activities.fleet import FleetClient, FleetRefused
 from core.fleet_requests import QuarantineNode, Retest
 from core.run import RunResult, RunState
 from core.spec import RunSpec
+from workers import slurm
 from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
 from workers.devstack import DevStack, StackError
 from workers.report import write_report
+from workers.specs import UsageError, load_spec
 from workers.temporal import add_temporal_flags, client_config, connect, plain
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 DEMO_SPEC = Path("examples/gpt-small.json")
 DEMO_NODES = ["n1", "n2", "n3"]
-
-
-class UsageError(Exception):
-    pass
-
-
-def load_spec(path: Path) -> RunSpec:
-    """Read and validate a spec; every problem is reported with the field it is in."""
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path} is not JSON: {exc}") from None
-    try:
-        return RunSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise UsageError(f"{path} is not a valid run spec:\n{describe_errors(exc)}") from None
-
-
-def describe_errors(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        field = ".".join(str(p) for p in error["loc"]) or "spec"
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "missing":
-            message = "required field is missing"
-        elif error["type"] == "extra_forbidden":
-            message = "unknown field (a typo?)"
-        elif error["type"] == "union_tag_invalid":
-            message = f"unknown kind {error['input'].get('kind')!r}; known: {error['ctx']['expected_tags']}"
-        lines.append(f"  {field}: {message}")
-    return "\n".join(lines)
 
 
 async def start_run(client: Client, spec: RunSpec, workflow_id: str) -> WorkflowHandle:
@@ -331,6 +299,7 @@ def parser() -> argparse.ArgumentParser:
     p = actions.add_parser("quarantine", help="take a node out of the pool; its self-test decides when it returns")
     p.add_argument("node")
     p.add_argument("reason", help="what was seen, e.g. 'fan failing'")
+    slurm.add_commands(commands)
     return root
 
 
@@ -348,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         **dict.fromkeys(("checkpoint", "pause", "resume", "drain", "resume-from"), control),
     }
     try:
+        if args.command == "slurm":
+            return slurm.main(args)
         if args.command in handlers:
             return asyncio.run(handlers[args.command](args))
         return dev(args) if args.command == "dev" else check(args)

@@ -101,3 +101,81 @@ class Partitionable:
 
     def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.close()
+
+
+@dataclass
+class Segment:
+    """Several hosts on one network: a namespace each, joined by veth pairs to a bridge on this host,
+    all in 10.214.<index>.0/24 (the host is .1, host i is .(i+2)). Inside each namespace the link is
+    `eth0`, as on a real host. Every host reaches the others and this host, nothing else.
+
+        with Segment.create("sa", index=3, hosts=["c1", "c2"]) as net:   # sa-c1: 10.214.3.2, sa-c2: .3
+            subprocess.run([*net.exec_prefix("c1"), "hostname"])
+    """
+
+    prefix: str  # of the bridge's and the namespaces' names (short: interface names end at 15)
+    index: int  # which /24 of 10.214.0.0/16
+    hosts: list[str]
+
+    @property
+    def subnet(self) -> str:
+        return f"10.214.{self.index}.0/24"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}-br"[:15]
+
+    @property
+    def host_ip(self) -> str:
+        return f"10.214.{self.index}.1"
+
+    def ip(self, host: str) -> str:
+        return f"10.214.{self.index}.{self.hosts.index(host) + 2}"
+
+    def namespace(self, host: str) -> str:
+        return f"{self.prefix}-{host}"
+
+    def _veth(self, host: str) -> str:
+        return f"{self.prefix}-{host}"[:15]
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """What runs a command inside `host`'s namespace. Only the network is its own: `nsenter --net`
+        keeps this host's mounts, where `ip netns exec` remounts /sys (and a daemon that reads its
+        cgroups there, slurmd, then fails to start)."""
+        return ["nsenter", f"--net=/run/netns/{self.namespace(host)}"]
+
+    @classmethod
+    def create(cls, prefix: str, index: int, hosts: list[str]) -> Segment:
+        net = cls(prefix, index, hosts)
+        if _ip("route", "show", "table", "all", net.subnet).stdout.strip():
+            raise RuntimeError(f"{net.subnet} is routed already: choose another index")
+        try:
+            _ip("route", "add", "blackhole", net.subnet, "metric", "1000")  # nothing for it ever leaves the host
+            _ip("link", "add", net.bridge, "type", "bridge")
+            _ip("addr", "add", f"{net.host_ip}/24", "dev", net.bridge)
+            _ip("link", "set", net.bridge, "up")
+            for host in hosts:
+                ns = net.namespace(host)
+                _ip("netns", "add", ns)
+                _ip("link", "add", net._veth(host), "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip("link", "set", net._veth(host), "master", net.bridge, "up")
+                _ip("-n", ns, "addr", "add", f"{net.ip(host)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+        except BaseException:
+            net.close()
+            raise
+        return net
+
+    def close(self) -> None:
+        for host in self.hosts:
+            _ip("netns", "del", self.namespace(host), check=False)
+            _ip("link", "del", self._veth(host), check=False)
+        _ip("link", "del", self.bridge, check=False)
+        _ip("route", "del", "blackhole", self.subnet, "metric", "1000", check=False)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.close()

@@ -142,7 +142,8 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
             await forks.close()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The agent's command line (deploy/kubernetes checks its DaemonSet's flags against it)."""
     parser = argparse.ArgumentParser(
         prog="python -m workers.node_agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -161,12 +162,17 @@ def main() -> None:
         default=True,
         help="fork ranks from a warm process that has imported torch (--no-fork-server: start each cold)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    cli = parser()
+    args = cli.parse_args()
     configure_logging(node=args.node)
     try:
         temporal = client_config(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        cli.error(str(exc))
     asyncio.run(serve(args, temporal, load_secret(args.secret_file), args.memory_dir or default_memory_dir(args.node)))
 
 

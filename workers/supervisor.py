@@ -133,7 +133,8 @@ async def serve(
         exporter.close()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The supervisor's command line (deploy/kubernetes checks its Deployment's flags against it)."""
     parser = argparse.ArgumentParser(
         prog="python -m workers.supervisor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,12 +142,17 @@ def main() -> None:
     add_secret_flag(parser)
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="serve /metrics on this port")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 lets a Prometheus on another host scrape")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    cli = parser()
+    args = cli.parse_args()
     configure_logging(node="supervisor")
     try:
         temporal = client_config(args)
     except ValueError as exc:
-        parser.error(str(exc))
+        cli.error(str(exc))
     asyncio.run(serve(temporal, load_secret(args.secret_file), args.metrics_port, args.metrics_host))
 
 

@@ -106,10 +106,14 @@ async def stopped(book: RunBook, inbox: Inbox) -> None:
     delay = 5.0
     while book.state == RunState.STOPPED:
         short = len(status.nodes) < spec.min_nodes
-        if not await inbox.until(
-            lambda: (inbox.resumed and len(status.nodes) >= spec.min_nodes) or bool(inbox.requests),
-            timedelta(seconds=delay) if short else None,
-        ):
+        woken = await inbox.until(
+            lambda: inbox.resumed or bool(inbox.requests), timedelta(seconds=delay) if short else None
+        )
+        if short and not inbox.requests:
+            # The timer, or a `resume` saying nodes may be back (a requeued Slurm job's agents are up
+            # again): look for them now, and soon again after a wake.
+            if woken:
+                inbox.resumed, delay = False, 2.5
             if spare := await calls.take_spare(status.run_id, book.spare_candidates()):
                 book.joined(spare)
             if len(status.nodes) >= spec.min_nodes:

@@ -1,6 +1,6 @@
 """The goodput ledger end to end: a run with a straggler, a crash and forced checkpoints accounts for
 every second of its wall-clock, files its pages where the spec says, and the supervisor's /metrics
-serves the same numbers to Prometheus."""
+serves the same numbers to Prometheus, under the names and labels the Grafana dashboard reads."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 
 from core.run import Cause, RunState
+from tests.dashboard import dashboard_uses, exposition, load_dashboard
 from tests.helpers import start, tiny_spec, wait_for_step, wait_until
 from workers.devstack import DevStack
 from workflows.run import RunWorkflow
@@ -25,28 +26,51 @@ ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-ba
 CATEGORIES = ("productive", "startup", "checkpoint", "lost", "recovery", "idle", "straggler")
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The exposition's samples, 'name{labels}' → value."""
+def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in samples}
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[str, float]:
+    """The exposition's samples, 'name{labels}' → value."""
+    lines = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in lines}
 
 
 def ledger_of(metrics: dict[str, float], run: str) -> dict[str, float]:
     return {c: metrics.get(f'stayalive_ledger_seconds{{category="{c}",run_id="{run}"}}', -1.0) for c in CATEGORIES}
 
 
-async def scrape_run(url: str, handle: WorkflowHandle, wall_seen: float, timeout: float = 30.0) -> dict[str, float]:
-    """The run's series, once the supervisor's exporter has refreshed them (every few seconds) from a
-    state at least as new as one the test has seen: its ledger covers at least `wall_seen` seconds."""
+async def scrape_run(url: str, handle: WorkflowHandle, wall_seen: float, timeout: float = 30.0) -> str:
+    """The exposition, once the supervisor's exporter has refreshed the run's series (every few
+    seconds) from a state at least as new as one the test has seen: its ledger covers at least
+    `wall_seen` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        metrics = scrape(url)
-        if sum(ledger_of(metrics, handle.id).values()) >= wall_seen:
-            return metrics
+        text = scrape(url)
+        if sum(ledger_of(samples(text), handle.id).values()) >= wall_seen:
+            return text
         await asyncio.sleep(0.5)
     raise TimeoutError(f"{url} never served {handle.id}")
+
+
+def dashboard_reads_what_is_served(text: str) -> None:
+    """Every metric the Grafana dashboard's expressions read is one this scrape serves, and each label
+    they match, group or join on, or put in a legend, is on that metric's series."""
+    served = exposition(text)
+    uses = dashboard_uses(load_dashboard())
+    checked: set[str] = set()
+    for use in uses:
+        assert use.metrics <= served.names, f"{use.where} reads {sorted(use.metrics - served.names)}: not served"
+        for metric in use.metrics & served.labels.keys():
+            missing = use.labels - served.labels[metric]
+            assert not missing, f"{use.where} needs {sorted(missing)} on {metric}: {sorted(served.labels[metric])}"
+            checked |= use.labels
+    assert {"run_id", "category", "cause"} <= checked
+    # A metric served without series has no labels to check: only the checkpoint interval, which this
+    # run fixes in steps.
+    unseen = {metric for use in uses for metric in use.metrics} - served.labels.keys()
+    assert unseen <= {"stayalive_checkpoint_interval_seconds"}, unseen
 
 
 async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
@@ -76,7 +100,8 @@ async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
     await handle.signal(RunWorkflow.force_checkpoint)
 
     # While it runs: /metrics serves the ledger, and its categories make up the wall-clock so far.
-    metrics = await scrape_run(stack.metrics_url, handle, wall_seen)
+    text = await scrape_run(stack.metrics_url, handle, wall_seen)
+    metrics = samples(text)
     assert metrics[f'stayalive_interruptions{{cause="crash",run_id="{handle.id}"}}'] == 1
     live = ledger_of(metrics, handle.id)
     assert all(seconds >= 0 for seconds in live.values()), live
@@ -84,6 +109,7 @@ async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
     assert sum(live.values()) == pytest.approx(live["productive"] / goodput, rel=0.01)
     assert min(live["straggler"], live["startup"], live["lost"], live["recovery"]) > 0, live
     assert metrics[f'stayalive_step_time_p50_seconds{{run_id="{handle.id}"}}'] > 0
+    dashboard_reads_what_is_served(text)
 
     result = await handle.result()
     assert result.state == RunState.COMPLETED
