@@ -84,7 +84,7 @@ class MonitorActivities:
             if keeping.done():
                 keeping.result()  # the keeper only returns when the run is gone (or raises)
             return await watching
-        finally:
+        finally:  # a cancel lands here too: the workflow waits for this attempt to end (calls.monitor)
             for task in (watching, keeping):
                 task.cancel()
             await asyncio.gather(watching, keeping, return_exceptions=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
@@ -24,6 +26,18 @@ PRESETS: dict[str, dict[str, int]] = {
     # ~30k parameters: fast enough for end-to-end tests on two cores.
     "tiny": {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
 }
+
+
+INIT_STD = 0.02  # GPT-2's: with PyTorch's unit-variance embedding, tied to the head, the first loss was ~174
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2/nanoGPT's initialisation; LayerNorm keeps PyTorch's (weight 1, bias 0). It draws from
+    the global generator in module order, so the weights still depend only on the seed."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,6 +80,14 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight
+        self.apply(_init_weights)
+        # GPT-2's scaling: each block adds two residual branches, so shrinking their output
+        # projections by sqrt(2·n_layer) keeps the residual stream's variance from growing with depth.
+        for block in self.blocks:
+            assert isinstance(block, Block)
+            for proj in (block.attn.proj, block.mlp[2]):
+                assert isinstance(proj, nn.Linear)
+                nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * cfg.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-sample mean cross-entropy, shape (batch,): the trainer weights samples itself."""

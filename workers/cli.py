@@ -7,7 +7,7 @@ view, the embedded development stack and the demo.
     stayalive run SPEC [--follow]     start a run (workflow id = the spec's name unless --id)
     stayalive watch ID                live progress of a run, then its timeline
     stayalive timeline ID             the interruption timeline
-    stayalive health ID               step, step times, goodput, nodes, checkpoint interval
+    stayalive health ID               step, step times, goodput, nodes, checkpoint interval (JSON)
     stayalive checkpoints ID          every checkpoint: validated or not, and why
     stayalive report ID [--out DIR]   PNG plots: goodput, checkpoint interval, interruptions, step time
     stayalive checkpoint ID           force a checkpoint at the next agreed step
@@ -19,6 +19,9 @@ view, the embedded development stack and the demo.
     stayalive fleet quarantine NODE REASON
                                       take a node out of the pool until it passes a self-test
     stayalive slurm run SPEC          inside a Slurm allocation: an agent per node, the run, requeue-safe
+
+--json (timeline, health, checkpoints, fleet, watch, run) prints the same data as JSON on stdout
+instead of tables; watch and run --follow then show their live progress on stderr.
 
 Temporal's address, namespace and TLS settings are the temporal CLI's, flags or environment
 (--address/TEMPORAL_ADDRESS, --tls-cert-path/TEMPORAL_TLS_CLIENT_CERT_PATH, …); without an address
@@ -45,7 +48,17 @@ from core.fleet_requests import QuarantineNode, Retest
 from core.run import RunResult, RunState
 from core.spec import RunSpec
 from workers import slurm
-from workers.console import checkpoints_table, console, fleet_table, follow, ledger_table, timeline_table, ui_url
+from workers.console import (
+    checkpoints_table,
+    console,
+    dump_json,
+    errors,
+    fleet_table,
+    follow,
+    ledger_table,
+    timeline_table,
+    ui_url,
+)
 from workers.devstack import DevStack, StackError
 from workers.report import write_report
 from workers.specs import UsageError, load_spec
@@ -55,6 +68,12 @@ from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 DEMO_SPEC = Path("examples/gpt-small.json")
 DEMO_NODES = ["n1", "n2", "n3"]
+JSON_COMMANDS = ("run", "watch", "timeline", "health", "checkpoints", "fleet")
+
+
+def emit_json(value: object) -> None:
+    """Plain stdout, not rich: a terminal's highlighting and wrapping would corrupt the JSON."""
+    print(dump_json(value))
 
 
 async def start_run(client: Client, spec: RunSpec, workflow_id: str) -> WorkflowHandle:
@@ -129,21 +148,29 @@ async def run(args: argparse.Namespace) -> int:
     _, ui = stack_address(args.state_dir)
     client = await connect(temporal(args))
     handle = await start_run(client, spec, args.id or spec.name)
-    console.print(f"Started run {handle.id}")
     if not args.follow:
+        emit_json({"workflow_id": handle.id}) if args.json else console.print(f"Started run {handle.id}")
         return 0
-    result = await follow(client, handle)
-    report(result, await ui_url(handle, ui))
+    (errors if args.json else console).print(f"Started run {handle.id}")
+    return await _follow(client, handle, ui, args.json)
+
+
+async def _follow(client: Client, handle: WorkflowHandle, ui: str | None, as_json: bool) -> int:
+    """Live progress, then the end report: tables, or (as_json) the run's result as JSON on stdout
+    with the live view on stderr, so the JSON stays parseable."""
+    result = await follow(client, handle, out=errors if as_json else console)
+    if as_json:
+        emit_json(result)
+    else:
+        report(result, await ui_url(handle, ui))
     return 0 if result.state == RunState.COMPLETED else 1
 
 
 async def watch(args: argparse.Namespace) -> int:
     _, ui = stack_address(args.state_dir)
     client = await connect(temporal(args))
-    handle = client.get_workflow_handle(args.id)
-    result = await follow(client, handle)
-    report(result, await ui_url(handle, ui))
-    return 0
+    await _follow(client, client.get_workflow_handle(args.id), ui, args.json)
+    return 0  # watching succeeded whatever the run's outcome
 
 
 def temporal(args: argparse.Namespace) -> ClientConnectConfig:
@@ -161,19 +188,20 @@ async def _client(args: argparse.Namespace) -> Client:
 
 async def timeline(args: argparse.Namespace) -> int:
     interruptions = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.timeline)
-    console.print(timeline_table(interruptions))
+    emit_json(interruptions) if args.json else console.print(timeline_table(interruptions))
     return 0
 
 
 async def health(args: argparse.Namespace) -> int:
     report = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.health)
-    console.print_json(report.model_dump_json())
+    # Always JSON; --json drops the terminal's highlighting for a consumer that reads a pipe anyway.
+    emit_json(report) if args.json else console.print_json(report.model_dump_json())
     return 0
 
 
 async def checkpoints(args: argparse.Namespace) -> int:
     records = await (await _client(args)).get_workflow_handle(args.id).query(RunWorkflow.checkpoints)
-    console.print(checkpoints_table(records))
+    emit_json(records) if args.json else console.print(checkpoints_table(records))
     return 0
 
 
@@ -212,7 +240,10 @@ async def fleet(args: argparse.Namespace) -> int:
     handle = fleet_handle(await _client(args))
     if args.action is None:
         nodes, records = await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)
-        console.print(fleet_table(nodes, records))
+        if args.json:
+            emit_json({"nodes": nodes, "quarantines": records})
+        else:
+            console.print(fleet_table(nodes, records))
         return 0
     try:
         if args.action == "retest":
@@ -276,9 +307,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("spec", type=Path)
     p.add_argument("--id", help="workflow id (default: the spec's name)")
     p.add_argument("--follow", action="store_true", help="show live progress until the run closes")
+    p.add_argument("--json", action="store_true", help="JSON on stdout: the workflow id, or with --follow the result")
     for name in ("watch", "timeline", "health", "checkpoints", "checkpoint", "resume"):
         p = commands.add_parser(name)
         p.add_argument("id", help="the run's workflow id")
+        if name in JSON_COMMANDS:
+            p.add_argument("--json", action="store_true", help="the same data as JSON on stdout")
     p = commands.add_parser("report", help="PNG plots of a run: goodput, checkpoint interval, interruptions, step time")
     p.add_argument("id", help="the run's workflow id")
     p.add_argument("--out", type=Path, default=None, help="folder for the plots (default ./report-ID, created)")
@@ -293,6 +327,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("step", type=int)
     p = commands.add_parser("fleet", help="the fleet's nodes and quarantine records; retest or quarantine a node")
+    p.add_argument("--json", action="store_true", help="nodes and quarantine records as JSON on stdout")
     actions = p.add_subparsers(dest="action")
     p = actions.add_parser("retest", help="self-test a quarantined node again (after a repair, say)")
     p.add_argument("node")

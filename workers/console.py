@@ -2,13 +2,23 @@
 
 Everything here reads Temporal, the way any other client would: the run's queries, and the run
 monitor's heartbeat (the live summary) from the workflow's pending activities.
+
+Output that is not a terminal (a CI log, `stayalive demo > demo.log`, `| tee`) must read whole: rich
+would lay it out at 80 columns and cut cells to `restor…`, and would show a live display only once,
+at its end. So such a console is LOG_WIDTH wide, every column folds rather than elides, and the live
+view becomes plain lines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import time
+from contextlib import nullcontext
+from typing import Any
 
+from pydantic import TypeAdapter
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
@@ -21,7 +31,34 @@ from core.goodput import Ledger
 from core.run import CheckpointRecord, Interruption, Progress, RunResult, RunStatus
 from workflows.run import RunWorkflow
 
-console = Console()
+LOG_WIDTH = 200  # every table's usual rows fit on one line; a longer cell (a reason, a detail) folds
+LOG_EVERY = 10.0  # seconds between progress lines in a log: a line per poll would drown it
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A terminal keeps its own width; anything else gets COLUMNS when set (rich reads it), else
+    LOG_WIDTH instead of rich's 80."""
+    made = Console(**kwargs)
+    if not made.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+        made.width = LOG_WIDTH
+    return made
+
+
+console = make_console()
+errors = make_console(stderr=True)  # the live view while stdout carries JSON (--json)
+
+
+def dump_json(value: object) -> str:
+    """`--json`: the same data as the tables, as pydantic serialises it (models, lists, dicts of them)."""
+    return TypeAdapter(Any).dump_json(value, indent=2).decode()
+
+
+def _columns(table: Table, *names: str, right: tuple[str, ...] = ()) -> Table:
+    """Columns that fold instead of eliding with "…". None is no_wrap: rich sizes those to their
+    full width first and squeezes the others to nothing on a narrow terminal."""
+    for name in names:
+        table.add_column(name, overflow="fold", justify="right" if name in right else "left")
+    return table
 
 
 async def live_progress(client: Client, handle: WorkflowHandle) -> Progress | None:
@@ -35,6 +72,13 @@ async def live_progress(client: Client, handle: WorkflowHandle) -> Progress | No
     return None
 
 
+def _step_line(progress: Progress, target: int) -> str:
+    return (
+        f"step {progress.step:>6}/{target}   loss {progress.loss if progress.loss is not None else float('nan'):6.3f}"
+        f"   {progress.steps_per_second:5.2f} steps/s   step p50 {progress.step_seconds_p50 * 1000:6.1f} ms"
+    )
+
+
 def _panel(status: RunStatus, progress: Progress, elapsed: float) -> Group:
     target = status.spec.target_step or 0
     header = Text.assemble(
@@ -42,10 +86,7 @@ def _panel(status: RunStatus, progress: Progress, elapsed: float) -> Group:
         (status.state.value, "bold cyan"),
         f"  generation {status.generation}  ·  {elapsed:,.0f}s",
     )
-    line = Text(
-        f"step {progress.step:>6}/{target}   loss {progress.loss if progress.loss is not None else float('nan'):6.3f}"
-        f"   {progress.steps_per_second:5.2f} steps/s   step p50 {progress.step_seconds_p50 * 1000:6.1f} ms"
-    )
+    line = Text(_step_line(progress, target))
     checkpoints = status.checkpoints[-4:]
     kept = "  ".join(f"{c.step}{' ✓' if c.validated else (' …' if c.validated is None else ' ✗')}" for c in checkpoints)
     footer = Text(f"checkpoints {kept or '-'}   interruptions {status.interruption_count()}")
@@ -59,16 +100,49 @@ def _panel(status: RunStatus, progress: Progress, elapsed: float) -> Group:
     return Group(header, bar, line, footer)
 
 
-async def follow(client: Client, handle: WorkflowHandle, poll: float = 0.5) -> RunResult:
-    """Show the run live until it closes; return its result."""
+class LogLines:
+    """The live view for a log: a plain line when the state or generation changes, one per new
+    interruption, and the progress every LOG_EVERY seconds; nothing is ever redrawn."""
+
+    def __init__(self, out: Console, every: float = LOG_EVERY) -> None:
+        self.out, self.every = out, every
+        self.printed_at = -math.inf
+        self.seen = 0  # interruptions already printed (counting those no longer listed)
+        self.phase: tuple[str, int] | None = None
+
+    def update(self, status: RunStatus, progress: Progress, elapsed: float) -> None:
+        new = status.interruption_count() - self.seen
+        for interruption in status.interruptions[len(status.interruptions) - min(new, len(status.interruptions)) :]:
+            self.out.print(f"⚠ {interruption.line()}", style="yellow", soft_wrap=True)
+        self.seen += max(new, 0)
+        phase = (status.state.value, status.generation)
+        if phase == self.phase and elapsed - self.printed_at < self.every:
+            return
+        self.phase, self.printed_at = phase, elapsed
+        target = status.spec.target_step or 0
+        line = _step_line(progress, target) if target else "(plain script: no step telemetry)"
+        self.out.print(
+            f"{elapsed:6,.0f}s  {status.run_id}  {phase[0]}  generation {phase[1]}  {line}",
+            soft_wrap=True,
+            highlight=False,
+        )
+
+
+async def follow(client: Client, handle: WorkflowHandle, poll: float = 0.5, out: Console | None = None) -> RunResult:
+    """Show the run live until it closes (redrawn in a terminal, plain lines in a log); return its result."""
+    out = out or console
     started = time.monotonic()
     result = asyncio.ensure_future(handle.result())
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
+    lines = None if out.is_terminal and not out.is_dumb_terminal else LogLines(out)
+    with Live(console=out, refresh_per_second=4, transient=False) if lines is None else nullcontext() as live:
         while not result.done():
             try:
                 status = await handle.query(RunWorkflow.status_query)
                 progress = await live_progress(client, handle) or status.progress
-                live.update(_panel(status, progress, time.monotonic() - started))
+                if lines is not None:
+                    lines.update(status, progress, time.monotonic() - started)
+                elif live is not None:
+                    live.update(_panel(status, progress, time.monotonic() - started))
             except Exception:  # the run may be between workflow tasks, or the server restarting
                 pass
             await asyncio.wait([result], timeout=poll)
@@ -77,8 +151,7 @@ async def follow(client: Client, handle: WorkflowHandle, poll: float = 0.5) -> R
 
 def timeline_table(interruptions: list[Interruption]) -> Table:
     table = Table(title="Interruption timeline", title_justify="left")
-    for column in ("at", "cause", "node", "rank", "step", "resumed from", "lost steps", "restart s", "restored from"):
-        table.add_column(column)
+    _columns(table, "at", "cause", "node", "rank", "step", "resumed from", "lost steps", "restart s", "restored from")
     for i in interruptions:
         table.add_row(
             i.at.strftime("%H:%M:%S"),
@@ -96,9 +169,7 @@ def timeline_table(interruptions: list[Interruption]) -> Table:
 
 def ledger_table(book: Ledger) -> Table:
     table = Table(title=f"Goodput {book.goodput:.1%} of {book.wall:,.0f}s wall-clock", title_justify="left")
-    table.add_column("where the time went")
-    table.add_column("seconds", justify="right")
-    table.add_column("share", justify="right")
+    _columns(table, "where the time went", "seconds", "share", right=("seconds", "share"))
     rows = {
         "productive training": book.productive,
         "start-up to first step": book.startup,
@@ -124,10 +195,10 @@ async def ui_url(handle: WorkflowHandle, ui: str | None) -> str | None:
 
 def checkpoints_table(records: list[CheckpointRecord]) -> Table:
     table = Table(title="Checkpoints (kept, and the newest refused)", title_justify="left")
-    for column in ("step", "generation", "blocking s", "validated", "SDC", "why"):
-        table.add_column(column)
+    _columns(table, "step", "generation", "blocking s", "validated", "SDC", "why")
     for c in records:
-        verdict = "…" if c.validated is None else ("yes" if c.validated else "no")
+        # not "…": in a table that reads as a cut cell
+        verdict = "pending" if c.validated is None else ("yes" if c.validated else "no")
         checked = f"unverified (checked to {c.last_verified_step})"
         sdc = "suspect" if c.suspect else ("verified" if c.verified else checked)
         table.add_row(
@@ -143,13 +214,11 @@ def checkpoints_table(records: list[CheckpointRecord]) -> Table:
 
 def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine]) -> Group:
     table = Table(title="Fleet", title_justify="left")
-    for column in ("node", "rack", "hub", "state", "run", "since"):
-        table.add_column(column)
+    _columns(table, "node", "rack", "hub", "state", "run", "since")
     for n in nodes:
         table.add_row(n.id, n.rack, n.hub, n.state.value, n.run_id or "-", n.since.strftime("%H:%M:%S"))
     records = Table(title="Quarantine records", title_justify="left")
-    for column in ("node", "reason", "since", "runs affected", "last self-test", "released"):
-        records.add_column(column)
+    _columns(records, "node", "reason", "since", "runs affected", "last self-test", "released")
     for q in quarantines:
         test = q.self_tests[-1] if q.self_tests else None
         earlier = f" (+{q.earlier_runs} earlier)" if q.earlier_runs else ""

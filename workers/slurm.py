@@ -252,7 +252,7 @@ async def launch(args: argparse.Namespace) -> int:
     try:
         await agents_registered(client, allocation.nodes, before, agents)
         handle, how = await start_or_reattach(client, spec, workflow_id)
-        log.info(f"{how} the run", job_id=allocation.job_id, restarts=allocation.restarts, workflow_id=workflow_id)
+        log.info("the job's run", how=how, job_id=allocation.job_id, restarts=allocation.restarts)
         if how == "finished":
             return await outcome(handle)
         drains = asyncio.create_task(follow_slurm(handle, allocation.nodes, spec.min_nodes, args.poll))
@@ -294,13 +294,15 @@ async def outcome(handle: WorkflowHandle) -> int:
 # -- the agent of one node -------------------------------------------------------------------
 
 
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
 def interface_of(address: str) -> str | None:
     """The name of this host's network interface that holds `address` (IPv4), if one does."""
-    SIOCGIFADDR = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             try:
-                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
             except OSError:  # no IPv4 address on it
                 continue
             if socket.inet_ntoa(answer[20:24]) == address:

@@ -60,7 +60,8 @@ async def launch(request: Launch) -> Launched:
 def monitor(input: MonitorInput) -> ActivityHandle[MonitorReport]:
     """Runs for the whole generation. It signals what it finds and each checkpoint's verdict, and it
     completes with what ended the generation (a failed rank, a silent node, a hang, failed SDC check):
-    that costs the history the completion alone, not a signal and then a cancel."""
+    that costs the history the completion alone, not a signal and then a cancel. Whatever else ends a
+    generation cancels its monitor and waits for it to stop (Generation.end)."""
     ends = "a failed rank or a silent node"
     watched = "every rank done"
     if input.hooks:
@@ -74,6 +75,10 @@ def monitor(input: MonitorInput) -> ActivityHandle[MonitorReport]:
         start_to_close_timeout=FOREVER,
         heartbeat_timeout=timedelta(seconds=10),
         retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)),
+        # A cancelled monitor's handle resolves only once the activity has acknowledged (its heartbeat
+        # brings the cancel, it raises): TRY_CANCEL resolves at the request, and a run that closed
+        # then would list its monitor as pending for good.
+        cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         summary=f"watch generation {input.generation}: signal {watched}; end with {ends}",
     )
 

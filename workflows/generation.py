@@ -62,12 +62,14 @@ class Generation:
     monitor: ActivityHandle[MonitorReport]
     heard: bool = False  # what the monitor's completion brought is in the inbox
 
-    def end(self) -> None:
-        """Stop watching (a monitor that reported the end has stopped by itself). The ranks keep running
-        until the next launch or a release stops them."""
+    async def end(self) -> None:
+        """Stop watching, and wait until the monitor has stopped (one that reported the end has stopped
+        by itself): a monitor left running would outlive its generation, or the run, still listed as
+        pending. The ranks keep running until the next launch or a release stops them. Idempotent."""
         if not self.monitor.done():
             self.monitor.cancel()
-            self.monitor.add_done_callback(_settled)
+            await workflow.wait([self.monitor])
+        _settled(self.monitor)
 
     def ending(self) -> MonitorEvent | None:
         """What the monitor completed with: the event that ended the generation."""

@@ -65,7 +65,7 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         interruption.actions.append("resumed by an operator")
         book.move(RunState.RESUMING, "resumed by an operator")
     book.keep_survivors(membership)
-    gen.end()
+    await gen.end()
     book.record(interruption)
     request.outcome = f"held at step {held}; " + "; ".join(interruption.actions[1:])
     return None

@@ -100,6 +100,7 @@ class RunWorkflow:
         self.pages: list[Page] = []  # filed once the next generation is launched: never on the restart path
         self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
         self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
+        self.gen: Generation | None = None  # the generation watched last: its monitor is stopped on the way out
 
     @workflow.run
     async def run(self, input: RunInput) -> RunResult:
@@ -117,15 +118,19 @@ class RunWorkflow:
                     continue
                 gen = await self._start()
                 if gen is not None:
+                    self.gen = gen
                     await self._end(gen, await self._watch(gen))
                 if self._continue_as_new_due(between_generations=True):
+                    await self._stop_watching()
                     await self._file_pages()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(CarriedRun(status=status, verdicts=self.inbox.verdicts))
         except asyncio.CancelledError:
+            await self._stop_watching()  # before the release: what the ranks do then is no finding
             await self._release()
             book.move(RunState.CANCELLED)
             raise
+        await self._stop_watching()
         await self._file_pages()
         await self._tell_fleet(failures=0)
         await self._release()
@@ -292,27 +297,32 @@ class RunWorkflow:
         book = self.book
         if isinstance(ending, Request):
             if ending.kind == "rollback":
-                gen.end()
+                await gen.end()
                 requests.rollback(book, ending)
             elif (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
                 await self._end(gen, interrupted)
         elif isinstance(ending, Reattach):
             book.reattach()
-            gen.end()
+            await gen.end()
         elif isinstance(ending, RanksFinished):
             await self._finish(gen, ending)
         elif isinstance(ending, RankFailed | NodeLost):
-            gen.end()
+            await gen.end()
             await self._restart(await incidents.failure(book, ending))
         elif isinstance(ending, Hang):
             interruption = await incidents.hang(book, ending)
-            gen.end()
+            await gen.end()
             await self._restart(interruption)
         elif isinstance(ending, SdcDetected):
-            gen.end()
+            await gen.end()
             await self._restart(await incidents.sdc(book, ending))
         elif isinstance(ending, AllHeld):
             workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
+
+    async def _stop_watching(self) -> None:
+        """On every way out (completed, failed, cancelled, continued as new): no monitor outlives the run."""
+        if self.gen is not None:
+            await self.gen.end()
 
     async def _tell_fleet(self, failures: int) -> None:
         """The run's exposure since it last told the fleet, and its failures in it: the fleet's rate
@@ -343,11 +353,11 @@ class RunWorkflow:
             book.lingered(finished, workflow.now())
         target = book.spec.target_step
         if not book.spec.hooks or target is None:
-            gen.end()
+            await gen.end()
             book.move(RunState.COMPLETED)
             return
         valid = await checkpoints.final_verdict(book, self.inbox, gen.number)
-        gen.end()
+        await gen.end()
         if not valid:
             book.record(
                 Interruption(

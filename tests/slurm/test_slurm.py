@@ -128,7 +128,7 @@ async def test_a_run_in_a_slurm_job_survives_a_killed_rank_a_requeue_and_a_drain
     cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
     wait_job(cluster, job, lambda f: f["Restarts"] == "1" and f["JobState"] == "RUNNING")
     status = await wait_until(handle, lambda s: s.state == RunState.RUNNING and s.generation >= 2, timeout=180)
-    assert "reattached the run" in log.read_text()
+    assert "how=reattached" in log.read_text()
     assert (await handle.describe()).run_id == first_run, "the requeued job reattached to the same run"
 
     # Slurm drains a node of the run: the launcher turns it into the run's drain_node.

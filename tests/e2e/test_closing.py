@@ -1,0 +1,37 @@
+"""A run that ends leaves nothing running: the web UI lists no pending activity for a closed run,
+however it ended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+
+from core.run import RunState
+from tests.helpers import start, tiny_spec, wait_for_step
+
+
+async def pending(handle: WorkflowHandle) -> list[str]:
+    """What the web UI lists under Pending Activities, by type."""
+    described = await handle.describe()
+    return [a.activity_type.name for a in described.raw_description.pending_activities]
+
+
+async def test_a_completed_run_leaves_no_activity_pending(client: Client, checkpoint_root: Path) -> None:
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=20), "closing-completed")
+    assert (await handle.result()).state == RunState.COMPLETED
+    assert await pending(handle) == []
+
+
+async def test_a_cancelled_run_leaves_no_activity_pending(client: Client, checkpoint_root: Path) -> None:
+    handle = await start(client, tiny_spec(checkpoint_root, target_step=5000), "closing-cancelled")
+    await wait_for_step(client, handle, 5)  # the first generation's monitor is watching
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    assert await pending(handle) == []
+    # Stopped by the run, not ended by the release killing the ranks it watched (a race it may win).
+    closed = [e async for e in handle.fetch_history_events() if e.HasField("activity_task_canceled_event_attributes")]
+    assert len(closed) == 1, "the monitor was cancelled, and acknowledged it, before the run closed"
