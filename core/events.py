@@ -54,6 +54,7 @@ class MonitorInput(BaseModel):
     slowdown_known: bool = False
     healthy_windows: int = 10  # report this many healthy window medians at a time (for the baseline)
     tally_s: float = 30.0  # how often a known straggler's or slowdown's cost is reported (SlownessTally)
+    progress_s: float = 30.0  # how often the live numbers are reported when nothing else was (ProgressRefresh)
     keeper: KeeperInput | None = None  # judge the generation's checkpoints too
     storage_outage: Outage | None = None  # storage was away when the generation started (until a commit)
 
@@ -121,6 +122,15 @@ class SlownessTally(BaseModel):
     rent both read it; history grows by one signal per tally, and only while something is slow."""
 
     kind: Literal["tally"] = "tally"
+    progress: Progress
+
+
+class ProgressRefresh(BaseModel):
+    """The live numbers (step, loss, step times, slowest rank), when the monitor has reported nothing
+    for `progress_s` while the ranks stepped: what keeps `health` fresh. History grows by one signal
+    per `progress_s` of training, never per step."""
+
+    kind: Literal["progress"] = "progress"
     progress: Progress
 
 
@@ -238,6 +248,7 @@ MonitorEvent = Annotated[
         SlowdownFound,
         HealthyWindows,
         SlownessTally,
+        ProgressRefresh,
         SdcDetected,
         AnomalyFound,
         StorageOutage,

@@ -18,6 +18,10 @@ class Health(BaseModel):
     generation: int
     step: int
     target_step: int | None
+    # When the step's loss, the step times and the slowest rank were measured (the newest step the
+    # monitor reported): while the ranks step, never older than `fresh_within_s` plus a signal's delivery.
+    as_of: datetime | None
+    fresh_within_s: float  # the spec's health.progress_refresh
     loss: float | None
     step_time_p50: float
     step_time_max: float
@@ -46,6 +50,8 @@ class Health(BaseModel):
             generation=status.generation,
             step=status.progress.step,
             target_step=status.spec.target_step,
+            as_of=datetime.fromtimestamp(status.progress.at, UTC) if status.progress.at else None,
+            fresh_within_s=status.spec.health.progress_refresh,
             loss=status.progress.loss,
             step_time_p50=status.progress.step_seconds_p50,
             step_time_max=status.progress.step_seconds_max,
@@ -80,6 +86,8 @@ def health_table(status: RunStatus, note: str = "") -> str:
     rows = [
         ("state", f"**{status.state.value}**" + (f" — {note}" if note else "")),
         ("step", f"{progress.step} / {status.spec.target_step or '?'} (generation {status.generation})"),
+        ("loss", "-" if progress.loss is None else f"{progress.loss:.4f}"),
+        ("measured at", _as_of(status)),
         ("nodes", f"{listing(status.nodes)} ({status.world_size} ranks)"),
         ("step time", f"p50 {progress.step_seconds_p50 * 1000:.0f} ms, max {progress.step_seconds_max * 1000:.0f} ms"),
         ("last valid checkpoint", f"step {last.step}" if last else "none yet"),
@@ -88,6 +96,14 @@ def health_table(status: RunStatus, note: str = "") -> str:
         ("interruptions", count),
     ]
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _as_of(status: RunStatus) -> str:
+    """When the step's loss and step times were measured, and how fresh they are kept."""
+    if not status.progress.at:
+        return "no step yet"
+    at = datetime.fromtimestamp(status.progress.at, UTC).strftime("%H:%M:%S UTC")
+    return f"{at} (refreshed every {status.spec.health.progress_refresh:g} s while the ranks step)"
 
 
 def _storage(status: RunStatus) -> str:

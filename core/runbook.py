@@ -54,12 +54,13 @@ class RunBook:
         status: RunStatus,
         on_move: Callable[[RunStatus, str], None] = _ignore,
         on_refused: Callable[[RunState, RunState, str], None] = _ignore,
-        on_checkpoint: Callable[[RunStatus], None] = _ignore,
+        on_progress: Callable[[RunStatus], None] = _ignore,
     ) -> None:
         self.status = status
         self.on_move = on_move  # the workflow shows the new state (web UI details, search attributes)
         self.on_refused = on_refused
-        self.on_checkpoint = on_checkpoint  # a checkpoint was filed: the workflow may refresh what it lists
+        # New live numbers or a checkpoint: the workflow refreshes its details and, now and then, its listing.
+        self.on_progress = on_progress
         self.held_at: int | None = None  # the step every rank holds at, while a drain or a pause is judged
 
     @property
@@ -270,6 +271,7 @@ class RunBook:
         status = self.status
         status.progress = event.progress
         status.straggler_seconds += event.progress.straggler_s  # the monitor counts afresh after each report
+        self.on_progress(status)
         if not isinstance(event, FirstStep):
             return
         at = datetime.fromtimestamp(event.at, UTC)
@@ -302,7 +304,7 @@ class RunBook:
             append_bounded(status.samples, sample)
             if status.state == RunState.CHECKPOINTING and self.held_at is None:
                 self.move(RunState.RUNNING)
-            self.on_checkpoint(status)
+            self.on_progress(status)
 
     def file_leftovers(self, found: list[CheckpointRecord]) -> None:
         """What the last generation committed that nobody had judged, judged before a restart: what

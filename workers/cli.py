@@ -169,7 +169,7 @@ async def _follow(client: Client, handle: WorkflowHandle, ui: str | None, as_jso
 async def watch(args: argparse.Namespace) -> int:
     _, ui = stack_address(args.state_dir)
     client = await connect(temporal(args))
-    await _follow(client, client.get_workflow_handle(args.id), ui, args.json)
+    await _follow(client, client.get_workflow_handle(args.id, result_type=RunResult), ui, args.json)
     return 0  # watching succeeded whatever the run's outcome
 
 

@@ -73,6 +73,8 @@ async def live_progress(client: Client, handle: WorkflowHandle) -> Progress | No
 
 
 def _step_line(progress: Progress, target: int) -> str:
+    if not progress.at:
+        return f"step {progress.step:>6}/{target}   (no step measured yet)"
     return (
         f"step {progress.step:>6}/{target}   loss {progress.loss if progress.loss is not None else float('nan'):6.3f}"
         f"   {progress.steps_per_second:5.2f} steps/s   step p50 {progress.step_seconds_p50 * 1000:6.1f} ms"
@@ -138,7 +140,9 @@ async def follow(client: Client, handle: WorkflowHandle, poll: float = 0.5, out:
         while not result.done():
             try:
                 status = await handle.query(RunWorkflow.status_query)
-                progress = await live_progress(client, handle) or status.progress
+                measured = await live_progress(client, handle)
+                # A new generation's monitor has measured nothing yet: show where the run stands.
+                progress = measured if measured is not None and measured.at else status.progress
                 if lines is not None:
                     lines.update(status, progress, time.monotonic() - started)
                 elif live is not None:

@@ -174,6 +174,7 @@ def start_monitor(book: RunBook) -> Generation:
         slowdown_known=status.slowdown_known(),
         healthy_windows=health.baseline_windows,
         tally_s=health.slowness_tally,
+        progress_s=health.progress_refresh,
         keeper=keeper if spec.hooks else None,
         storage_outage=status.storage_outage,
     )

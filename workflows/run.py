@@ -95,11 +95,12 @@ class RunWorkflow:
             info = workflow.info()
             run_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}"
             status, verdicts = RunStatus(spec=input, run_id=run_id, nodes=list(input.nodes)), []
-        self.book = RunBook(status, on_move=self._show, on_refused=self._refused, on_checkpoint=self._list_progress)
+        self.book = RunBook(status, on_move=self._show, on_refused=self._refused, on_progress=self._progressed)
         self.inbox = Inbox(verdicts=list(verdicts))
         self.pages: list[Page] = []  # filed once the next generation is launched: never on the restart path
         self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
         self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
+        self.note = ""  # what the last change of state said, kept in the details until the next
         self.gen: Generation | None = None  # the generation watched last: its monitor is stopped on the way out
 
     @workflow.run
@@ -401,14 +402,17 @@ class RunWorkflow:
         """The web UI's view of a change of state: the run's details, and what runs are listed by.
         (At once: a command the workflow defers to a later point would land in a different workflow
         task on replay when a local activity's result arrives with other events.)"""
+        self.note = note
         workflow.set_current_details(health_table(status, note))
         self._list(RUN_STATE.value_set(status.state.value))
 
     def _refused(self, current: RunState, to: RunState, note: str) -> None:
         workflow.logger.warning("the run stays %s: the lifecycle has no move to %s (%s)", current, to, note)
 
-    def _list_progress(self, status: RunStatus) -> None:
-        """Refresh Step and Goodput between state changes, at most every LISTING_REFRESH."""
+    def _progressed(self, status: RunStatus) -> None:
+        """New numbers between state changes: the details at once (they cost no history), Step and
+        Goodput at most every LISTING_REFRESH (each upsert is an event)."""
+        workflow.set_current_details(health_table(status, self.note))
         if self.listed_at is None or workflow.now() - self.listed_at >= LISTING_REFRESH:
             self._list()
 

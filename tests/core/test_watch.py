@@ -12,6 +12,7 @@ from core.events import (
     KeeperInput,
     MonitorInput,
     NodeLost,
+    ProgressRefresh,
     RankFailed,
     RanksFinished,
     StorageOutage,
@@ -229,3 +230,34 @@ def test_an_outage_carried_into_a_generation_ends_with_its_first_commit_and_is_n
     assert seen.tick(2.0, wall=1002.0) is None
     over = seen.record("a", committed(30, at=1010.0), now=10.0)
     assert isinstance(over, StorageOutage) and over.phase == "over" and over.lasted_s == 110.0
+
+
+def test_the_live_numbers_are_reported_every_progress_s_of_steps_and_after_any_other_report() -> None:
+    seen = watch(progress_s=30.0)
+    refreshed = []
+    for step in range(1, 100):  # a step a second: a refresh at 30 s, then 30 s after the last report
+        at = 1000.0 + step
+        for i in range(len(NODES)):
+            frame = NodeSteps(
+                generation=2, step=step, first_rank=2 * i, compute_s=[0.5] * 2, step_s=[0.5] * 2,
+                loss=[2.0, 2.0], samples=[[0], [1]], at=at,
+            )  # fmt: skip
+            seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
+        for event in seen.steps(now=float(step)):
+            if isinstance(event, ProgressRefresh):
+                refreshed.append((event.progress.step, event.progress.loss, event.progress.at))
+                seen.reported(event, now=float(step))
+    assert refreshed == [(30, 2.0, 1030.0), (60, 2.0, 1060.0), (90, 2.0, 1090.0)]
+
+
+def test_a_batch_of_steps_read_together_makes_one_refresh() -> None:
+    seen = watch(progress_s=30.0)
+    for step in range(1, 61):  # a monitor taking over reads a minute of steps at once
+        for i in range(len(NODES)):
+            frame = NodeSteps(
+                generation=2, step=step, first_rank=2 * i, compute_s=[0.5] * 2, step_s=[0.5] * 2,
+                loss=[2.0, 2.0], samples=[[0], [1]], at=1000.0 + step,
+            )  # fmt: skip
+            seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
+    refreshes = [e for e in seen.steps(now=60.0) if isinstance(e, ProgressRefresh)]
+    assert [r.progress.step for r in refreshes] == [60]

@@ -108,7 +108,7 @@ def test_a_log_gets_plain_progress_lines(monkeypatch: pytest.MonkeyPatch) -> Non
     out, file = log_console(monkeypatch)
     lines = ui.LogLines(out, every=10.0)
     run = status(run_id="demo-1", state=RunState.RUNNING, generation=0)
-    progress = Progress(step=5, loss=3.21, steps_per_second=2.0, step_seconds_p50=0.5)
+    progress = Progress(step=5, loss=3.21, steps_per_second=2.0, step_seconds_p50=0.5, at=1000.0)
     lines.update(run, progress, elapsed=1.0)
     lines.update(run, progress.model_copy(update={"step": 6}), elapsed=2.0)  # too soon: nothing
     crashed = run.model_copy(update={"generation": 1, "interruptions": timeline()[1:]})
@@ -142,3 +142,10 @@ def test_follow_in_a_log_prints_lines_and_returns_the_result(monkeypatch: pytest
     assert asyncio.run(ui.follow(None, handle, poll=0.01, out=out)) == done  # type: ignore[arg-type]
     text = file.getvalue()
     assert "step      9/1000" in text and not any(code in text for code in CONTROL), text
+
+
+def test_a_generation_with_no_step_measured_yet_says_so_instead_of_a_nan_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    out, file = log_console(monkeypatch)
+    ui.LogLines(out).update(status(run_id="demo-1", state=RunState.RUNNING), Progress(step=169), elapsed=1.0)
+    (line,) = file.getvalue().splitlines()
+    assert "step    169/1000   (no step measured yet)" in line and "nan" not in line
