@@ -123,6 +123,9 @@ class PagingSpec(_Spec):
 
     jsonl: str | None = None  # a path on the supervisor worker's host
     webhook: HttpUrl | None = None  # receives each page as a JSON POST, retried; never blocks the run
+    # When the run ends, how long pages still on their way to the webhook may take before they are
+    # given up (each is in the JSONL digest): nothing of a closed run is left running.
+    webhook_grace: Seconds = 30.0
 
 
 # The longest a live run monitor's readers may be away: its activity's heartbeat timeout (workflows/calls.py)

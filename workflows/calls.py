@@ -11,6 +11,7 @@ workflow task, which is what keeps an interruption within its history budget at 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Protocol, cast
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -240,6 +241,12 @@ async def record_eviction(node: str, run_id: str, resolved: bool) -> None:
     )
 
 
+class SendsPages(Protocol):
+    """The workflow sending a page keeps its webhook delivery, to end it before the workflow ends."""
+
+    deliveries: list[ActivityHandle[Any]]
+
+
 async def send_page(message: Page) -> None:
     """Log the page and file it in the JSONL digest (a local activity, bounded: a broken sink gives up
     after a minute instead of holding the workflow task). A page that wants a person also goes to the
@@ -256,11 +263,31 @@ async def send_page(message: Page) -> None:
     except ActivityError as exc:  # a page that cannot be filed is logged; it never stops the run
         workflow.logger.error("page not filed: %s (%s)", message.summary, exc.cause or exc)
     if message.webhook_url and message.paging != PagingClass.INDEPENDENT:
-        workflow.start_activity(
+        delivery = workflow.start_activity(
             "deliver_webhook",
             message,
             start_to_close_timeout=timedelta(seconds=10),
             schedule_to_close_timeout=timedelta(hours=1),
             retry_policy=RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(minutes=5)),
+            # A cancelled delivery is over once its attempt is: nothing of the run is left pending.
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             summary=f"POST the {message.paging.value} page to the webhook",
         )
+        cast(SendsPages, workflow.instance()).deliveries.append(delivery)
+
+
+async def end_deliveries(deliveries: list[ActivityHandle[Any]], within: timedelta) -> None:
+    """On the way out (closing, or continuing as new): webhook deliveries still in flight get `within`
+    to land, then are cancelled, so no activity outlives the run. A page given up on here is still in
+    the JSONL digest and the log."""
+    pending = [delivery for delivery in deliveries if not delivery.done()]
+    deliveries.clear()
+    if not pending:
+        return
+    await workflow.wait(pending, timeout=within.total_seconds())
+    late = [delivery for delivery in pending if not delivery.done()]
+    if late:
+        workflow.logger.warning("%d webhook pages not delivered before the run ended (see the digest)", len(late))
+        for delivery in late:
+            delivery.cancel()
+        await workflow.wait(late)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
+from temporalio.workflow import ActivityHandle
 
 from workflows import calls, checkpoints, generation, incidents, requests
 from workflows.generation import Ending, Generation, Reattach
@@ -102,6 +103,7 @@ class RunWorkflow:
         self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
         self.note = ""  # what the last change of state said, kept in the details until the next
         self.gen: Generation | None = None  # the generation watched last: its monitor is stopped on the way out
+        self.deliveries: list[ActivityHandle[Any]] = []  # webhook pages in flight (calls.SendsPages)
 
     @workflow.run
     async def run(self, input: RunInput) -> RunResult:
@@ -124,17 +126,20 @@ class RunWorkflow:
                 if self._continue_as_new_due(between_generations=True):
                     await self._stop_watching()
                     await self._file_pages()
+                    await self._end_deliveries()
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(CarriedRun(status=status, verdicts=self.inbox.verdicts))
         except asyncio.CancelledError:
             await self._stop_watching()  # before the release: what the ranks do then is no finding
             await self._release()
+            await self._end_deliveries()
             book.move(RunState.CANCELLED)
             raise
         await self._stop_watching()
         await self._file_pages()
         await self._tell_fleet(failures=0)
         await self._release()
+        await self._end_deliveries()
         book.finish(workflow.now())
         return RunResult(
             run_id=status.run_id,
@@ -319,6 +324,10 @@ class RunWorkflow:
             await self._restart(await incidents.sdc(book, ending))
         elif isinstance(ending, AllHeld):
             workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
+
+    async def _end_deliveries(self) -> None:
+        """Pages on their way to the webhook land, or are given up after the spec's grace."""
+        await calls.end_deliveries(self.deliveries, timedelta(seconds=self.book.spec.paging.webhook_grace))
 
     async def _stop_watching(self) -> None:
         """On every way out (completed, failed, cancelled, continued as new): no monitor outlives the run."""
