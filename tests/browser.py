@@ -27,6 +27,8 @@ from typing import Any
 
 import websockets
 
+from workers.devstack import end_process
+
 # As the workplace's notes say: without the background-networking flags Chromium keeps dialling
 # Google's services, which a closed network refuses, many at a time.
 FLAGS = [
@@ -78,9 +80,13 @@ class Browser:
     async def open(self, url: str) -> None:
         await self.call("Page.navigate", url=url)
 
+    async def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript expression in the page."""
+        answer = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return answer["result"].get("value")
+
     async def text(self) -> str:
-        answer = await self.call("Runtime.evaluate", expression=PAGE_TEXT, returnByValue=True)
-        return str(answer["result"].get("value", ""))
+        return str(await self.evaluate(PAGE_TEXT) or "")
 
     async def wait_for(self, *needles: str, timeout: float = 45.0) -> str:
         """The page's text once it shows every one of `needles`; else fail, naming what it never showed."""
@@ -101,8 +107,7 @@ class Browser:
             f".find(e => e.innerText.trim() === {json.dumps(label)}); if (el) {{ el.click(); return true; }}"
             " return false; })()"
         )
-        answer = await self.call("Runtime.evaluate", expression=script, returnByValue=True)
-        if not answer["result"].get("value"):
+        if not await self.evaluate(script):
             raise AssertionError(f"no button or link reads {label!r}")
 
     async def scroll_to(self, text: str) -> None:
@@ -115,8 +120,7 @@ class Browser:
             " for (let p = el; p; p = p.parentElement) p.scrollLeft = 0;"  # only up and down: keep the left edge
             " return true; })()"
         )
-        answer = await self.call("Runtime.evaluate", expression=script, returnByValue=True)
-        if not answer["result"].get("value"):
+        if not await self.evaluate(script):
             raise AssertionError(f"nothing on the page shows {text!r}")
 
     async def screenshot(self, path: Path) -> None:
@@ -147,12 +151,7 @@ async def open_browser(profile: Path) -> AsyncIterator[Browser]:
         async with websockets.connect(pages[0]["webSocketDebuggerUrl"], max_size=None) as socket:
             yield Browser(socket)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        end_process(process, timeout=10)
 
 
 async def _devtools_port(profile: Path, process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:

@@ -213,13 +213,7 @@ class DevStack:
     def stop(self) -> None:
         """Workers first (so nothing is mid-call when the server goes), the server last."""
         for name in sorted(self.processes, key=lambda n: n == "temporal"):
-            process = self.processes[name]
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end_process(self.processes[name])
         self.processes.clear()
         if not self.detach:
             shutil.rmtree(self.memory_dir, ignore_errors=True)
@@ -287,6 +281,16 @@ def _plain_env() -> dict[str, str]:
     """This environment without the temporal CLI's connection settings (TLS, an API key, another
     address), which are not for the dev stack's own plain server."""
     return {name: value for name, value in os.environ.items() if not name.startswith("TEMPORAL_")}
+
+
+def end_process(process: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM, and SIGKILL if it has not gone within `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def process_alive(pid: int) -> bool:

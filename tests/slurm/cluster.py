@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from workers.devstack import end_process
 from workers.netns import Segment
 
 COMMANDS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "srun", "nsenter"]
@@ -149,14 +150,8 @@ class SlurmCluster:
         return done
 
     def stop(self) -> None:
-        for name in reversed(list(self.processes)):
-            process = self.processes[name]
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for name in reversed(list(self.processes)):  # slurmds first, munged last
+            end_process(self.processes[name])
         self.processes.clear()
         self.segment.close()
 
