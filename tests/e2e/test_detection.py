@@ -166,7 +166,7 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
     client: Client, healthy_run: RunSpec, checkpoint_root: Path, webhook: Webhook
 ) -> None:
     faults = [
-        {"kind": "slowdown", "factor": 1.3, "from_step": 150},
+        {"kind": "slowdown", "factor": 1.5, "from_step": 150},
         {"kind": "thermal", "rack": "rack-a"},  # the aisle of n1 and n2 runs hot
     ]
     spec = detection_spec(
@@ -182,9 +182,10 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
     (slowdown,) = detections
     assert slowdown.diagnosis == "environmental"
     assert slowdown.paging is not None and slowdown.paging.paging == PagingClass.CORRELATED
-    # Compute is 1.3× slower and the all-reduce is not: the step time lands in between, above the
-    # detector's own floor (two cores' jitter moves it within that band: 1.14 was seen in CI).
-    assert slowdown.ratio is not None and 1 + ABSOLUTE_MIN_EXCESS < slowdown.ratio < 1.4
+    # Compute is 1.5× slower and the all-reduce is not: the step time lands in between, above the
+    # detector's own floor. (At 1.3× two cores' jitter moved it down to that floor: 1.14 was seen in
+    # CI, and twice no slowdown at all.)
+    assert slowdown.ratio is not None and 1 + ABSOLUTE_MIN_EXCESS < slowdown.ratio < 1.55
     assert (await handle.query(RunWorkflow.status_query)).nodes == ["n1", "n2"]
     # The page for facilities reached the webhook (an activity of its own, retried, never awaited).
     deadline = time.monotonic() + 30

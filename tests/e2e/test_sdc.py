@@ -10,7 +10,7 @@ import torch
 from temporalio.client import Client
 
 from core.run import Cause, RunState
-from tests.helpers import REFERENCE_STEPS, assert_bitwise_equal, final_state, start, tiny_spec
+from tests.helpers import REFERENCE_STEPS, TINY_ENTRYPOINT, assert_bitwise_equal, final_state, start, tiny_spec
 from training.checkpoint import load_checkpoint
 from workflows.fleet import FleetWorkflow, fleet_handle
 from workflows.run import RunWorkflow
@@ -83,6 +83,10 @@ async def test_a_nan_loss_and_a_gradient_spike_skip_their_update_without_touchin
         checkpoint_root,
         target_step=32,
         checkpoint={"root": str(checkpoint_root), "interval": "1 steps"},
+        # Steps slow enough for each checkpoint's write to land before the next one's: a write still
+        # waiting when the next checkpoint comes is superseded (training/flusher.py), and the test
+        # compares the checkpoints on either side of each skipped update.
+        entrypoint=[*TINY_ENTRYPOINT[:-1], "60"],
         faults=[
             {"kind": "nan_loss", "rank": 2, "at_step": 8},
             {"kind": "grad_spike", "rank": 0, "at_step": 30, "factor": 1000},
