@@ -2,5 +2,5 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY . .
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir --constraint constraints.txt .
 ENV PYTHONUNBUFFERED=1

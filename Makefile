@@ -23,8 +23,8 @@ stop: $(STAMP)
 clean:
 	rm -rf $(VENV) .stayalive
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	$(VENV)/bin/pip install --quiet --constraint constraints.txt -e ".[dev]"
 	touch $@

@@ -23,17 +23,23 @@ import structlog
 from pydantic import BaseModel
 from temporalio import activity
 
-from activities.reporting import Heartbeat, signal_run
-from activities.telemetry import NodeStreams
-from core.checkpoints import ChooseInput, norm_problem
-from core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
-from core.fencing import fenced_out
-from core.recovery import file_judged
-from core.retention import to_delete
-from core.run import CheckpointRecord
-from core.telemetry import CheckpointCommitted, Subscribe
-from training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_fence, read_manifest, within_root
-from training.validate import TestLoad
+from stayalive.activities.reporting import Heartbeat, signal_run
+from stayalive.activities.telemetry import NodeStreams
+from stayalive.core.checkpoints import ChooseInput, norm_problem
+from stayalive.core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
+from stayalive.core.fencing import fenced_out
+from stayalive.core.recovery import file_judged
+from stayalive.core.retention import to_delete
+from stayalive.core.run import CheckpointRecord
+from stayalive.core.telemetry import CheckpointCommitted, Subscribe
+from stayalive.training.checkpoint import (
+    CheckpointError,
+    parse_checkpoint_dirname,
+    read_fence,
+    read_manifest,
+    within_root,
+)
+from stayalive.training.validate import TestLoad
 
 log = structlog.get_logger()
 
@@ -47,7 +53,7 @@ class Verdict(BaseModel):
 
 
 class _Loader:
-    """The supervisor's test-load process (`python -m training.validate`), started on first use and
+    """The supervisor's test-load process (`python -m stayalive.training.validate`), started on first use and
     again whenever it dies; one checkpoint at a time."""
 
     def __init__(self) -> None:
@@ -63,7 +69,11 @@ class _Loader:
         that the first checkpoint a run commits is not judged while torch is still being imported."""
         if self._process is None or self._process.returncode is not None:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "training.validate", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+                sys.executable,
+                "-m",
+                "stayalive.training.validate",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
             )
         return self._process
 

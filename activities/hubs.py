@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ValidationError
 
-from core.access import knock
-from core.control import AgentAnswer, Refused, agent_answer
-from core.launch import Endpoint
+from stayalive.core.access import knock
+from stayalive.core.control import AgentAnswer, Refused, agent_answer
+from stayalive.core.launch import Endpoint
 
 # Requests in flight at once from one activity: enough that 2,048 agents answer in a few rounds,
 # few enough that one supervisor's sockets and event loop are not swamped.

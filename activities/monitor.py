@@ -21,11 +21,11 @@ import time
 
 from temporalio import activity
 
-from activities.checkpoints import Handover, keep_checkpoints
-from activities.fleet import FleetActivities
-from activities.reporting import Heartbeat, signal_run
-from activities.telemetry import NodeStreams
-from core.events import (
+from stayalive.activities.checkpoints import Handover, keep_checkpoints
+from stayalive.activities.fleet import FleetActivities
+from stayalive.activities.reporting import Heartbeat, signal_run
+from stayalive.activities.telemetry import NodeStreams
+from stayalive.core.events import (
     MONITOR_REPORT,
     AllHeld,
     Hang,
@@ -36,9 +36,9 @@ from core.events import (
     RankFailed,
     SdcDetected,
 )
-from core.run import Outage
-from core.telemetry import Subscribe
-from core.watch import GenerationWatch
+from stayalive.core.run import Outage
+from stayalive.core.telemetry import Subscribe
+from stayalive.core.watch import GenerationWatch
 
 HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving

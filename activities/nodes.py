@@ -18,9 +18,9 @@ from pathlib import Path
 import structlog
 from temporalio import activity
 
-from activities.fleet import FleetActivities
-from activities.hubs import NoAnswer, ask, ask_each
-from core.control import (
+from stayalive.activities.fleet import FleetActivities
+from stayalive.activities.hubs import NoAnswer, ask, ask_each
+from stayalive.core.control import (
     CommandRanks,
     DumpStacks,
     HangInput,
@@ -37,11 +37,11 @@ from core.control import (
     StackDump,
     StartRanks,
 )
-from core.fleet import SelfTestResult
-from core.fleet_requests import SelfTestInput
-from core.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
-from core.launch import Launch, Launched, NodeLaunch
-from training.checkpoint import within_root, write_fence
+from stayalive.core.fleet import SelfTestResult
+from stayalive.core.fleet_requests import SelfTestInput
+from stayalive.core.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
+from stayalive.core.launch import Launch, Launched, NodeLaunch
+from stayalive.training.checkpoint import within_root, write_fence
 
 log = structlog.get_logger()
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 import structlog
 from pydantic import ValidationError
 
-from activities.hubs import open_hub
-from core.control import Refused
-from core.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
+from stayalive.activities.hubs import open_hub
+from stayalive.core.control import Refused
+from stayalive.core.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
 
 log = structlog.get_logger()
 

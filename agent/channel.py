@@ -16,8 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from core.progress import StepBatcher
-from core.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
+from stayalive.core.progress import StepBatcher
+from stayalive.core.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
 
 # Records a node keeps per run for a reader that reconnects: minutes of steps at thousands of steps/s.
 RETAINED = 200_000

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from agent.processes import RankProcess, spawn
-from training.forkserver import Assignment, profile_for, unfit
+from stayalive.agent.processes import RankProcess, spawn
+from stayalive.training.forkserver import Assignment, profile_for, unfit
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -156,7 +156,7 @@ class ForkServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ)
         with open(self.log_path, "ab") as log_file:
-            argv = [sys.executable, "-m", "training.forkserver", self.profile]
+            argv = [sys.executable, "-m", "stayalive.training.forkserver", self.profile]
             self.process = await spawn(
                 argv, self.env, asyncio.subprocess.PIPE, asyncio.subprocess.PIPE, stderr=log_file
             )

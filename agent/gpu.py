@@ -15,8 +15,8 @@ from typing import Any, Protocol, TypeVar
 import pynvml
 import structlog
 
-from core.diagnosis import GpuHealth, ThrottleReason
-from core.faults import TelemetryFault
+from stayalive.core.diagnosis import GpuHealth, ThrottleReason
+from stayalive.core.faults import TelemetryFault
 
 log = structlog.get_logger()
 

@@ -28,12 +28,12 @@ from typing import Annotated, Any, Union
 import structlog
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-from agent.channel import RunChannel
-from agent.relay import LOOPBACK, splice
-from core.access import Challenge, Proof, proven, run_token
-from core.control import AgentAnswer, AgentRequest, Refused
-from core.launch import Endpoint
-from core.telemetry import (
+from stayalive.agent.channel import RunChannel
+from stayalive.agent.relay import LOOPBACK, splice
+from stayalive.core.access import Challenge, Proof, proven, run_token
+from stayalive.core.control import AgentAnswer, AgentRequest, Refused
+from stayalive.core.launch import Endpoint
+from stayalive.core.telemetry import (
     FRAME_MARK,
     Ack,
     Beat,
@@ -50,8 +50,8 @@ from core.telemetry import (
     pack_steps,
     rank_message,
 )
-from training.checkpoint import CheckpointError
-from training.memory import memory_path
+from stayalive.training.checkpoint import CheckpointError
+from stayalive.training.memory import memory_path
 
 log = structlog.get_logger()
 

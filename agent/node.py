@@ -23,14 +23,14 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from agent.forkserver import ForkServers
-from agent.gpu import GpuTelemetry
-from agent.hub import NodeHub
-from agent.processes import RankProcess, start_rank, stop_ranks
-from agent.relay import StoreRelay, loopback_store
-from agent.selftest import SelfTest
-from core.access import run_token
-from core.control import (
+from stayalive.agent.forkserver import ForkServers
+from stayalive.agent.gpu import GpuTelemetry
+from stayalive.agent.hub import NodeHub
+from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
+from stayalive.agent.relay import StoreRelay, loopback_store
+from stayalive.agent.selftest import SelfTest
+from stayalive.core.access import run_token
+from stayalive.core.control import (
     AgentAnswer,
     AgentRequest,
     DumpStacks,
@@ -46,11 +46,11 @@ from core.control import (
     Started,
     StartRanks,
 )
-from core.faults import BrokenNode, HardwareFault, TelemetryFault
-from core.fencing import PartitionReport, cut_off
-from core.hangs import CollectiveProgress
-from core.launch import NodeLaunch, rank_env
-from core.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
+from stayalive.core.faults import BrokenNode, HardwareFault, TelemetryFault
+from stayalive.core.fencing import PartitionReport, cut_off
+from stayalive.core.hangs import CollectiveProgress
+from stayalive.core.launch import NodeLaunch, rank_env
+from stayalive.core.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
 
 log = structlog.get_logger()
 

@@ -18,9 +18,9 @@ import structlog
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from core.access import knock
-from core.launch import Endpoint
-from core.telemetry import OpenStore, StoreOpened
+from stayalive.core.access import knock
+from stayalive.core.launch import Endpoint
+from stayalive.core.telemetry import OpenStore, StoreOpened
 
 log = structlog.get_logger()
 

@@ -44,10 +44,10 @@ from rich.table import Table
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from training.checkpointer import Checkpointer, Identity
-from training.faults import FaultInjector
-from training.memory import MemoryTier
-from training.state import TrainState
+from stayalive.training.checkpointer import Checkpointer, Identity
+from stayalive.training.faults import FaultInjector
+from stayalive.training.memory import MemoryTier
+from stayalive.training.state import TrainState
 
 HIDDEN = 4096
 LAYERS = 6  # 6 × (4096² + 4096) = 100.7M parameters; with AdamW's two moments, 1.2 GB of state

@@ -43,9 +43,9 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from core.detectors import AbsoluteSlowdown, RelativeStraggler, healthy_window_medians  # noqa: E402
-from core.progress import StepIngest  # noqa: E402
-from core.telemetry import NodeSteps, pack_steps, steps_frame  # noqa: E402
+from stayalive.core.detectors import AbsoluteSlowdown, RelativeStraggler, healthy_window_medians  # noqa: E402
+from stayalive.core.progress import StepIngest  # noqa: E402
+from stayalive.core.telemetry import NodeSteps, pack_steps, steps_frame  # noqa: E402
 
 RANKS_PER_NODE = 8
 NODES = 2_048

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from training.checkpointer import Checkpointer
-from training.train import Trainer, parse_args
-from workers.devstack import free_port
+from stayalive.training.checkpointer import Checkpointer
+from stayalive.training.train import Trainer, parse_args
+from stayalive.workers.devstack import free_port
 
 WORLD_SIZE = 4
 DEVICE_MS = 20

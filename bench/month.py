@@ -29,12 +29,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from core.interval import daly, overhead
-from core.run import RunState
-from sim import history
-from sim.failure_mix import draw, load_mix
-from sim.measure import came_back, interval_error, measured, pages_per_week, repeat_nodes
-from sim.month import (
+from stayalive.core.interval import daly, overhead
+from stayalive.core.run import RunState
+from stayalive.sim import history
+from stayalive.sim.failure_mix import draw, load_mix
+from stayalive.sim.measure import came_back, interval_error, measured, pages_per_week, repeat_nodes
+from stayalive.sim.month import (
     BLOCKING_S,
     DAY_S,
     RANKS_PER_NODE,
@@ -45,7 +45,7 @@ from sim.month import (
     crashes_every,
     simulate,
 )
-from workers.report import write_report
+from stayalive.workers.report import write_report
 
 DAYS = 30
 SEED = 3

@@ -43,13 +43,13 @@ from rich.table import Table
 from temporalio.client import Client
 
 from bench.recovery_timeline import Milestones, restart_starts, stayalive_milestones
-from core.faults import Crash
-from core.run import RunState
-from core.spec import RunSpec
-from workers.devstack import DevStack, free_port
-from workers.temporal import connect, plain
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, RunWorkflow
+from stayalive.core.faults import Crash
+from stayalive.core.run import RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_ARGS = ["--preset", "tiny", "--global-batch", "8"]
@@ -87,7 +87,7 @@ def job_spec(checkpoint_root: Path, crash_step: int, name: str) -> RunSpec:
             "nodes": NODES,
             "spare_nodes": [SPARE],
             "min_nodes": len(NODES),
-            "entrypoint": ["python", "-m", "training.train", *TRAIN_ARGS],
+            "entrypoint": ["python", "-m", "stayalive.training.train", *TRAIN_ARGS],
             "target_step": crash_step + STEPS_AFTER_CRASH,
             "checkpoint": {"root": str(checkpoint_root), "interval": f"{CHECKPOINT_EVERY} steps"},
             "faults": [crash(crash_step).model_dump()],

@@ -23,7 +23,7 @@ from rich.table import Table
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
-from workflows.run import RunWorkflow
+from stayalive.workflows.run import RunWorkflow
 
 _PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _AGENT_EVENTS = ("rank failed", "generation prepared", "rank forked", "ranks started")

@@ -26,10 +26,10 @@ from rich.table import Table
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from core.run import RunState
-from sim import history, scenario
-from sim.scenario import Ran
-from workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
+from stayalive.core.run import RunState
+from stayalive.sim import history, scenario
+from stayalive.sim.scenario import Ran
+from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
 
 BUDGET_EVENTS = 50
 PAYLOAD_LIMIT = 256 * 1024

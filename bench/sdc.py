@@ -60,12 +60,12 @@ from bench.interleaved import (
     report,
     timed_block,
 )
-from core.spec import SdcSpec
-from core.telemetry import SdcCheck
-from training.faults import FaultInjector
-from training.sdc import SdcGuard, Verdict
-from training.supervision import Supervision, SupervisionConfig
-from training.train import Trainer, train
+from stayalive.core.spec import SdcSpec
+from stayalive.core.telemetry import SdcCheck
+from stayalive.training.faults import FaultInjector
+from stayalive.training.sdc import SdcGuard, Verdict
+from stayalive.training.supervision import Supervision, SupervisionConfig
+from stayalive.training.train import Trainer, train
 
 BAR = 0.01
 BLOCK_STEPS = 100  # one self-check replay per block

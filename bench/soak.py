@@ -43,17 +43,17 @@ from bench.soak_checks import RunVerdict, coverage, judge_faults, uncosted, unva
 from bench.soak_faults import FaultDriver, status_of
 from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, RunPlan, plan
 from bench.soak_report import problems, summary, table
-from core.paging import PagingClass
-from core.run import CheckpointRecord, RunResult, RunState
-from core.spec import RunSpec
-from core.telemetry import RankStarted
+from stayalive.core.paging import PagingClass
+from stayalive.core.run import CheckpointRecord, RunResult, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.core.telemetry import RankStarted
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.netns import Partitionable, usable
+from stayalive.workers.secret import SECRET_ENV, create_secret
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 from tests.helpers import TINY_ENTRYPOINT, RecordCollector, final_state, sample_tally, step_reports
-from workers.devstack import DevStack, free_port
-from workers.netns import Partitionable, usable
-from workers.secret import SECRET_ENV, create_secret
-from workers.temporal import connect, plain
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, RunWorkflow
 
 REPO = Path(__file__).resolve().parent.parent
 NODES, SPARES = ["n1", "n2"], ["n3", "n4"]

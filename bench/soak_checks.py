@@ -10,9 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.soak_plan import WORLD_SIZE, PlannedFault, RunPlan
-from core.lifecycle import RunState
-from core.run import CheckpointRecord, Detection, Interruption
-from core.telemetry import StepReport
+from stayalive.core.lifecycle import RunState
+from stayalive.core.run import CheckpointRecord, Detection, Interruption
+from stayalive.core.telemetry import StepReport
 
 BLAMING_DETECTIONS = {"straggler", "slowdown"}  # detections that name a culprit
 

@@ -42,14 +42,14 @@ from bench.interleaved import (
     report,
     timed_block,
 )
-from core.access import Challenge
-from core.spec import SdcSpec
-from core.telemetry import Hello
-from training.channel import AgentChannel
-from training.faults import FaultInjector
-from training.sdc import SdcGuard, flat_grads, set_grads
-from training.supervision import Supervision, SupervisionConfig
-from training.train import Trainer, train
+from stayalive.core.access import Challenge
+from stayalive.core.spec import SdcSpec
+from stayalive.core.telemetry import Hello
+from stayalive.training.channel import AgentChannel
+from stayalive.training.faults import FaultInjector
+from stayalive.training.sdc import SdcGuard, flat_grads, set_grads
+from stayalive.training.supervision import Supervision, SupervisionConfig
+from stayalive.training.train import Trainer, train
 
 BAR = 0.01
 BLOCK_STEPS = 10  # the host's noise is white over about this many steps (bench/interleaved.py)

@@ -25,10 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from core.telemetry import StepReport
-from training import train
-from training.checkpoint import MANIFEST, parse_checkpoint_dirname
-from training.supervision import Supervision
+from stayalive.core.telemetry import StepReport
+from stayalive.training import train
+from stayalive.training.checkpoint import MANIFEST, parse_checkpoint_dirname
+from stayalive.training.supervision import Supervision
 
 
 def record(event: str, **fields: object) -> None:

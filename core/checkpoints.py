@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from core.run import CheckpointRecord
+from stayalive.core.run import CheckpointRecord
 
 # Parameters move slowly between two checkpoints; a jump past this factor is corruption that digests
 # cannot see (seed 003 §7, failure 4: "norms have jumped 100×").

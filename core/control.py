@@ -14,11 +14,11 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from core.fleet import SelfTestResult
-from core.hangs import CollectiveProgress
-from core.launch import Endpoint, NodeLaunch
-from core.spec import Backend
-from core.telemetry import Command
+from stayalive.core.fleet import SelfTestResult
+from stayalive.core.hangs import CollectiveProgress
+from stayalive.core.launch import Endpoint, NodeLaunch
+from stayalive.core.spec import Backend
+from stayalive.core.telemetry import Command
 
 # -- one agent: requests and answers on its hub -------------------------------------------------------
 

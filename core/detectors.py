@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict
 
-from core.fleet import MAD_TO_SIGMA
+from stayalive.core.fleet import MAD_TO_SIGMA
 
 # ── relative: one rank against its peers ─────────────────────────────────────────────────────────────
 

@@ -19,8 +19,8 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.diagnosis import Verdict
-from core.eviction import straggler_cost
+from stayalive.core.diagnosis import Verdict
+from stayalive.core.eviction import straggler_cost
 
 
 class Strategy(StrEnum):

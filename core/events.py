@@ -9,10 +9,10 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field
 
-from core.diagnosis import Verdict
-from core.paging import Classification
-from core.run import CheckpointRecord, Outage, Progress
-from core.telemetry import Anomaly, SdcCheck
+from stayalive.core.diagnosis import Verdict
+from stayalive.core.paging import Classification
+from stayalive.core.run import CheckpointRecord, Outage, Progress
+from stayalive.core.telemetry import Anomaly, SdcCheck
 
 # What a rank prints when a collective failed because a peer went away: it died of someone else's
 # failure, so it is a witness, not the culprit.

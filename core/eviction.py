@@ -15,8 +15,8 @@ from datetime import datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict
 
-from core.diagnosis import Diagnosis, Verdict
-from core.fleet import EvictionOutcome, p_healthy
+from stayalive.core.diagnosis import Diagnosis, Verdict
+from stayalive.core.fleet import EvictionOutcome, p_healthy
 
 # An automatic remediation that can fire repeatedly needs a rate limit on its own authority (R2).
 EVICTION_SPACING = timedelta(hours=1)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from core.diagnosis import GpuHealth
+from stayalive.core.diagnosis import GpuHealth
 
 
 class _Fault(BaseModel):

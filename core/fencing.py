@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from core.run import Cause, Interruption
+from stayalive.core.run import Cause, Interruption
 
 PARTITION_REPORT = "partitioned"  # the RunWorkflow signal that carries a PartitionReport
 FENCE_FILE = "FENCE"  # in the run's checkpoint directory: the newest generation launched, as text

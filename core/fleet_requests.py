@@ -15,7 +15,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from core.fleet import EvictionOutcome, FailureRate, FleetNode, Quarantine
+from stayalive.core.fleet import EvictionOutcome, FailureRate, FleetNode, Quarantine
 
 R = TypeVar("R")
 

@@ -14,7 +14,7 @@ import re
 from datetime import datetime
 from typing import TypeVar
 
-from core.fleet import (
+from stayalive.core.fleet import (
     BASELINE_WINDOW,
     KEEP_BASELINES,
     KEEP_CLOSED_QUARANTINES,

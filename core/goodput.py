@@ -20,7 +20,7 @@ import numpy.typing as npt
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from core.run import Interruption, RunStatus
+    from stayalive.core.run import Interruption, RunStatus
 
 RECENT = timedelta(hours=1)  # the paging rule's window (core.paging.WINDOW)
 

@@ -21,7 +21,7 @@ from enum import IntEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from core.detectors import culprit, main_thread
+from stayalive.core.detectors import culprit, main_thread
 
 # The progress file: these int64 fields, in this order, native byte order (writer and reader share
 # the host). Aligned 8-byte stores are not torn on the hosts we run on, and each field only grows

@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from core.goodput import Ledger, ledger
-from core.interval import measured_cost, run_mtbf
-from core.run import CheckpointRecord, RunStatus
+from stayalive.core.goodput import Ledger, ledger
+from stayalive.core.interval import measured_cost, run_mtbf
+from stayalive.core.run import CheckpointRecord, RunStatus
 
 
 class Health(BaseModel):

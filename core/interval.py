@@ -7,11 +7,11 @@ import statistics
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from core.paging import failure_count
-from core.run import IntervalChoice
+from stayalive.core.paging import failure_count
+from stayalive.core.run import IntervalChoice
 
 if TYPE_CHECKING:
-    from core.run import RunStatus
+    from stayalive.core.run import RunStatus
 
 # A new interval reaches running ranks only when it moves by more than this: C jitters from one
 # checkpoint to the next, and the overhead is flat near Daly's optimum (5% off T* raises C/T + T/2M

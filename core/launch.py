@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from core.faults import HardwareFault
-from core.spec import Backend, RunSpec
+from stayalive.core.faults import HardwareFault
+from stayalive.core.spec import Backend, RunSpec
 
 # A rank that cannot load the checkpoint it was told to resume from exits with this code, so the
 # workflow marks that checkpoint unusable and resumes from an earlier one.

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from core.text import Text
+from stayalive.core.text import Text
 
 if TYPE_CHECKING:
-    from core.run import Interruption, RunStatus
-    from core.spec import FailureLimit
+    from stayalive.core.run import Interruption, RunStatus
+    from stayalive.core.spec import FailureLimit
 
 WINDOW = timedelta(hours=1)
 RATE_FACTOR = 5.0

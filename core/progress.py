@@ -19,8 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from core.run import Progress
-from core.telemetry import NodeSteps, StepReport, steps_frame
+from stayalive.core.run import Progress
+from stayalive.core.telemetry import NodeSteps, StepReport, steps_frame
 
 _WINDOW = 50  # steps over which rates and step-time percentiles are taken
 LAG = 4  # a step still missing reports is given up on once a report this many steps newer arrives

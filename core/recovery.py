@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from core.events import NodeLost, RankFailed
-from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
-from core.run import Cause, CheckpointRecord, Interruption, RunStatus
+from stayalive.core.events import NodeLost, RankFailed
+from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
+from stayalive.core.run import Cause, CheckpointRecord, Interruption, RunStatus
 
 
 def interruption_from(failure: RankFailed | NodeLost, status: RunStatus, now: datetime) -> Interruption:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import datetime
 
-from core.run import CheckpointRecord
+from stayalive.core.run import CheckpointRecord
 
 MILESTONE_SECONDS = 6 * 3600.0
 

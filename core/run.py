@@ -8,15 +8,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from core.escalation import Escalation
-from core.eviction import Eviction
-from core.goodput import Ledger
-from core.launch import Membership, node_of
-from core.lifecycle import RunState
-from core.paging import Classification
-from core.spec import RunSpec
-from core.telemetry import SdcCheck
-from core.text import Text
+from stayalive.core.escalation import Escalation
+from stayalive.core.eviction import Eviction
+from stayalive.core.goodput import Ledger
+from stayalive.core.launch import Membership, node_of
+from stayalive.core.lifecycle import RunState
+from stayalive.core.paging import Classification
+from stayalive.core.spec import RunSpec
+from stayalive.core.telemetry import SdcCheck
+from stayalive.core.text import Text
 
 
 class Cause(StrEnum):

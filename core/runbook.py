@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from core.escalation import Escalation
-from core.events import (
+from stayalive.core.escalation import Escalation
+from stayalive.core.events import (
     CheckpointJudged,
     FirstStep,
     MonitorEvent,
@@ -21,13 +21,13 @@ from core.events import (
     StorageOutage,
     StragglerFound,
 )
-from core.eviction import Eviction
-from core.fleet import FailureRate
-from core.launch import Membership, node_of, without_node
-from core.lifecycle import RunState, why
-from core.paging import PLANNED, Classification, PagingClass, classify, is_planned, over_limit
-from core.recovery import file_judged, mark_suspect, supersede
-from core.run import (
+from stayalive.core.eviction import Eviction
+from stayalive.core.fleet import FailureRate
+from stayalive.core.launch import Membership, node_of, without_node
+from stayalive.core.lifecycle import RunState, why
+from stayalive.core.paging import PLANNED, Classification, PagingClass, classify, is_planned, over_limit
+from stayalive.core.recovery import file_judged, mark_suspect, supersede
+from stayalive.core.run import (
     DETECTIONS_KEPT,
     INTERRUPTIONS_KEPT,
     REJECTED_KEPT,
@@ -40,8 +40,8 @@ from core.run import (
     Sample,
     append_bounded,
 )
-from core.spec import RunSpec
-from core.telemetry import Command, CommandKind, SdcCheck
+from stayalive.core.spec import RunSpec
+from stayalive.core.telemetry import Command, CommandKind, SdcCheck
 
 
 def _ignore(*_: object) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from core.spec import RunSpec
+from stayalive.core.spec import RunSpec
 
 # `sinfo %T` states of a node an administrator (or a health check) has taken out of service: a node
 # still running jobs is DRAINING (or FAILING) until they end, and DRAINED (or FAIL) after.

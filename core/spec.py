@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
-from core.faults import Fault
+from stayalive.core.faults import Fault
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _SCALE = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -259,7 +259,7 @@ class RunSpec(_Spec):
             raise ValueError(f"min_nodes {self.min_nodes} is more than the {len(self.nodes)} nodes listed: lower it")
         if self.hooks and self.target_step is None:
             raise ValueError("target_step is missing: a run with hooks trains to a target step (e.g. 1000)")
-        if self.backend == "nccl" and "training.train" in self.entrypoint:
+        if self.backend == "nccl" and "stayalive.training.train" in self.entrypoint:
             raise ValueError(
                 "backend nccl with the built-in trainer: training.train runs its GPT on CPU under gloo. Set "
                 "backend to gloo, or give an entrypoint of your own that puts its model on the GPU LOCAL_RANK names"

@@ -23,7 +23,7 @@ from typing import Annotated, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from core.diagnosis import GpuHealth
+from stayalive.core.diagnosis import GpuHealth
 
 
 class _Message(BaseModel):

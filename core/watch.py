@@ -15,9 +15,9 @@ from typing import Literal
 
 import numpy as np
 
-from core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
-from core.diagnosis import GpuHealth, Verdict, diagnose
-from core.events import (
+from stayalive.core.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
+from stayalive.core.diagnosis import GpuHealth, Verdict, diagnose
+from stayalive.core.events import (
     AnomalyFound,
     FirstStep,
     Hang,
@@ -34,12 +34,12 @@ from core.events import (
     StorageOutage,
     StragglerFound,
 )
-from core.goodput import straggler_wait
-from core.launch import node_of
-from core.paging import PagingClass, storage_outage
-from core.progress import CompletedStep, StepIngest
-from core.run import Outage, Progress
-from core.telemetry import (
+from stayalive.core.goodput import straggler_wait
+from stayalive.core.launch import node_of
+from stayalive.core.paging import PagingClass, storage_outage
+from stayalive.core.progress import CompletedStep, StepIngest
+from stayalive.core.run import Outage, Progress
+from stayalive.core.telemetry import (
     Anomaly,
     CheckpointCommitted,
     Finished,

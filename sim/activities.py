@@ -15,23 +15,23 @@ from typing import Any
 
 from temporalio import activity
 
-from activities.checkpoints import Shelf
-from activities.paging import deliver_webhook, page
-from core.checkpoints import ChooseInput
-from core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
-from core.events import (
+from stayalive.activities.checkpoints import Shelf
+from stayalive.activities.paging import deliver_webhook, page
+from stayalive.core.checkpoints import ChooseInput
+from stayalive.core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
+from stayalive.core.events import (
     FirstStep,
     MonitorInput,
     MonitorReport,
     Quiet,
 )
-from core.fleet import SelfTestResult
-from core.fleet_requests import SelfTestInput
-from core.launch import Launch, Launched
-from core.run import CheckpointRecord
-from sim.cluster import SimulatedCluster
-from sim.monitor import Report, launched, until
-from sim.server_clock import ServerClock
+from stayalive.core.fleet import SelfTestResult
+from stayalive.core.fleet_requests import SelfTestInput
+from stayalive.core.launch import Launch, Launched
+from stayalive.core.run import CheckpointRecord
+from stayalive.sim.cluster import SimulatedCluster
+from stayalive.sim.monitor import Report, launched, until
+from stayalive.sim.server_clock import ServerClock
 
 
 class SimulatedSupervisor:

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from core.launch import Launch
-from core.telemetry import Command
-from training.checkpoint import parse_checkpoint_dirname
+from stayalive.core.launch import Launch
+from stayalive.core.telemetry import Command
+from stayalive.training.checkpoint import parse_checkpoint_dirname
 
 # "damage": the next checkpoint to commit reads back wrong (a shard on a dying drive).
 FaultKind = Literal["crash", "node_lost", "hang", "sdc", "straggler", "slowdown", "damage"]

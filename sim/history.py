@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from core.events import MONITOR_REPORT
+from stayalive.core.events import MONITOR_REPORT
 
 E = EventType
 _OPENED = {E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}

@@ -11,11 +11,11 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from core.goodput import Ledger, ledger
-from core.interval import daly, overhead
-from core.paging import failure_count, failures, is_planned
-from core.run import RunStatus
-from sim.month import DAY_S, MonthRan, pages_file
+from stayalive.core.goodput import Ledger, ledger
+from stayalive.core.interval import daly, overhead
+from stayalive.core.paging import failure_count, failures, is_planned
+from stayalive.core.run import RunStatus
+from stayalive.sim.month import DAY_S, MonthRan, pages_file
 
 
 @dataclass(frozen=True)

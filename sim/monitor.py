@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 
 from temporalio import activity
 
-from activities.checkpoints import Shelf
-from activities.reporting import signal_run
-from core.diagnosis import Diagnosis, Verdict
-from core.events import (
+from stayalive.activities.checkpoints import Shelf
+from stayalive.activities.reporting import signal_run
+from stayalive.core.diagnosis import Diagnosis, Verdict
+from stayalive.core.events import (
     CHECKPOINT_JUDGED,
     MONITOR_REPORT,
     AllHeld,
@@ -42,10 +42,10 @@ from core.events import (
     SlownessTally,
     StragglerFound,
 )
-from core.run import CheckpointRecord, Progress
-from core.telemetry import SdcCheck
-from sim.cluster import HANG_TIMEOUT_S, Fault, SimulatedCluster, SimulatedGeneration
-from training.checkpoint import checkpoint_dirname
+from stayalive.core.run import CheckpointRecord, Progress
+from stayalive.core.telemetry import SdcCheck
+from stayalive.sim.cluster import HANG_TIMEOUT_S, Fault, SimulatedCluster, SimulatedGeneration
+from stayalive.training.checkpoint import checkpoint_dirname
 
 HEARTBEAT_SECONDS = 0.05
 QUIET_MAX_S = 3600.0  # a quiet monitor still reports at least hourly: progress, and the verdicts since

@@ -24,15 +24,15 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowU
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from core.run import RunState, RunStatus
-from core.spec import RunSpec
-from sim import history
-from sim.cluster import ENDED, Fault, FaultKind, SimulatedCluster
-from sim.failure_mix import Draw, Kind
-from sim.server_clock import ServerClock
-from sim.workers import register, register_search_attributes, simulated_workers
-from workflows.fleet import fleet_handle
-from workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
+from stayalive.core.run import RunState, RunStatus
+from stayalive.core.spec import RunSpec
+from stayalive.sim import history
+from stayalive.sim.cluster import ENDED, Fault, FaultKind, SimulatedCluster
+from stayalive.sim.failure_mix import Draw, Kind
+from stayalive.sim.server_clock import ServerClock
+from stayalive.sim.workers import register, register_search_attributes, simulated_workers
+from stayalive.workflows.fleet import fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
 
 DAY_S = 86_400.0
 RANKS_PER_NODE = 8
@@ -116,7 +116,7 @@ class Month:
                 "nodes": [f"n{i:04d}" for i in range(self.nodes)],
                 "spare_nodes": [f"s{i:03d}" for i in range(spares)],
                 "min_nodes": self.nodes,
-                "entrypoint": ["python", "-m", "training.train"],
+                "entrypoint": ["python", "-m", "stayalive.training.train"],
                 "target_step": self.target_step,
                 "checkpoint": {
                     "root": str(root),

@@ -24,14 +24,14 @@ from pathlib import Path
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 
-from core.fleet import Quarantine
-from core.run import Cause, RunResult, RunState, RunStatus
-from core.spec import RunSpec
-from sim import history
-from sim.cluster import FailureSchedule, Fault, SimulatedCluster
-from sim.workers import register, simulated_workers
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
+from stayalive.core.fleet import Quarantine
+from stayalive.core.run import Cause, RunResult, RunState, RunStatus
+from stayalive.core.spec import RunSpec
+from stayalive.sim import history
+from stayalive.sim.cluster import FailureSchedule, Fault, SimulatedCluster
+from stayalive.sim.workers import register, simulated_workers
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 CHECKPOINT_EVERY = 100
 FAULT_AFTER = 150  # steps past the resume step: one checkpoint, then 50 steps lost
@@ -84,7 +84,7 @@ def spec(nodes: int, root: Path) -> RunSpec:
             "nodes": group,
             "spare_nodes": [f"s{i:02d}" for i in range(SPARES)],
             "min_nodes": nodes,
-            "entrypoint": ["python", "-m", "training.train"],
+            "entrypoint": ["python", "-m", "stayalive.training.train"],
             "target_step": TARGET,
             "checkpoint": {"root": str(root), "interval": f"{CHECKPOINT_EVERY} steps"},
             "health": {"node_heartbeat_timeout": "5s"},

@@ -15,16 +15,16 @@ from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.fleet import FleetActivities, FleetClient
-from core.fleet_requests import RegisterNode
-from sim.activities import SimulatedSupervisor
-from sim.cluster import SimulatedCluster
-from sim.monitor import HEARTBEAT_SECONDS
-from sim.server_clock import ServerClock
-from workers.devstack import SEARCH_ATTRIBUTES
-from workers.supervisor import ensure_fleet
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, RunWorkflow
+from stayalive.activities.fleet import FleetActivities, FleetClient
+from stayalive.core.fleet_requests import RegisterNode
+from stayalive.sim.activities import SimulatedSupervisor
+from stayalive.sim.cluster import SimulatedCluster
+from stayalive.sim.monitor import HEARTBEAT_SECONDS
+from stayalive.sim.server_clock import ServerClock
+from stayalive.workers.devstack import SEARCH_ATTRIBUTES
+from stayalive.workers.supervisor import ensure_fleet
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 
 # Heartbeats are how a cancel reaches a waiting activity; unthrottled, a cancelled one ends at once
 # instead of holding a slot for up to 0.8 × its heartbeat timeout.

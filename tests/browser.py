@@ -27,7 +27,7 @@ from typing import Any
 
 import websockets
 
-from workers.devstack import end_process
+from stayalive.workers.devstack import end_process
 
 # As the workplace's notes say: without the background-networking flags Chromium keeps dialling
 # Google's services, which a closed network refuses, many at a time.

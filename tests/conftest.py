@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.secret import SECRET_ENV
+from stayalive.workers.temporal import connect, plain
 from tests.helpers import NODES, ROOT, Webhook
-from workers.devstack import DevStack, free_port
-from workers.secret import SECRET_ENV
-from workers.temporal import connect, plain
 
 
 @pytest.fixture(scope="session")

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from temporalio.client import Client, WorkflowHandle
 
-from activities.hubs import open_hub
-from core.fleet import FleetNode
-from core.run import CheckpointRecord, RunState, RunStatus
-from core.spec import RunSpec
-from core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
-from training.checkpoint import load_checkpoint
-from workers.secret import SECRET_ENV, load_secret
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import RunWorkflow
+from stayalive.activities.hubs import open_hub
+from stayalive.core.fleet import FleetNode
+from stayalive.core.run import CheckpointRecord, RunState, RunStatus
+from stayalive.core.spec import RunSpec
+from stayalive.core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
+from stayalive.training.checkpoint import load_checkpoint
+from stayalive.workers.secret import SECRET_ENV, load_secret
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import RunWorkflow
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ["n1", "n2", "n3"]
@@ -36,7 +36,17 @@ _ids = itertools.count()
 # Ranks forked from a warm server take their first step within a second, and the tiny GPT's step is a
 # few milliseconds of host work: 15 ms of simulated device time keeps a run long enough that a test
 # acting "mid-run" (a kill at step 23, a drain, a pause) acts before the run has finished.
-TINY_ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "15"]
+TINY_ENTRYPOINT = [
+    "python",
+    "-m",
+    "stayalive.training.train",
+    "--preset",
+    "tiny",
+    "--global-batch",
+    "8",
+    "--device-ms",
+    "15",
+]
 
 
 def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from temporalio.api.enums.v1 import IndexedValueType
 
+from stayalive.workers.supervisor import METRICS_PORT, SEARCH_ATTRIBUTES
 from tests.dashboard import DASHBOARD, dashboard_uses, datasource_uids, load_dashboard
 from tests.helpers import ROOT
-from workers.supervisor import METRICS_PORT, SEARCH_ATTRIBUTES
 
 SERVICES = {
     "postgresql",

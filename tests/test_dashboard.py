@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from activities.metrics import Exporter
+from stayalive.activities.metrics import Exporter
 from tests.dashboard import dashboard_uses, exposition, label_names, load_dashboard, metric_names
 
 CASES = [

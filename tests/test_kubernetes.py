@@ -19,8 +19,8 @@ import yaml
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.service import TLSConfig
 
-from workers import node_agent, supervisor
-from workers.temporal import add_temporal_flags, client_config
+from stayalive.workers import node_agent, supervisor
+from stayalive.workers.temporal import add_temporal_flags, client_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30"  # the oldest minor version still under a cloud's standard support
@@ -75,11 +75,11 @@ def worker_args(workload: Doc, module: str, cli: argparse.ArgumentParser) -> arg
 
 
 def supervisor_args() -> argparse.Namespace:
-    return worker_args(find("Deployment", "stayalive-supervisor"), "workers.supervisor", supervisor.parser())
+    return worker_args(find("Deployment", "stayalive-supervisor"), "stayalive.workers.supervisor", supervisor.parser())
 
 
 def agent_args() -> argparse.Namespace:
-    return worker_args(find("DaemonSet", "stayalive-node-agent"), "workers.node_agent", node_agent.parser())
+    return worker_args(find("DaemonSet", "stayalive-node-agent"), "stayalive.workers.node_agent", node_agent.parser())
 
 
 def workloads() -> list[Doc]:

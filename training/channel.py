@@ -18,9 +18,9 @@ import threading
 import structlog
 from pydantic import BaseModel
 
-from core.control import Refused
-from core.telemetry import ToRank, to_rank
-from training.hub_client import connect_hub
+from stayalive.core.control import Refused
+from stayalive.core.telemetry import ToRank, to_rank
+from stayalive.training.hub_client import connect_hub
 
 log = structlog.get_logger()
 

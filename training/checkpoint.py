@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load
 
-from core.fencing import FENCE_FILE, raised
+from stayalive.core.fencing import FENCE_FILE, raised
 
 MANIFEST = "manifest.json"
 

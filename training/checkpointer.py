@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from core.fencing import fenced_out
-from training import memory
-from training.checkpoint import (
+from stayalive.core.fencing import fenced_out
+from stayalive.training import memory
+from stayalive.training.checkpoint import (
     MANIFEST,
     Manifest,
     ShardRecord,
@@ -49,10 +49,10 @@ from training.checkpoint import (
     shard_filename,
     write_atomically,
 )
-from training.faults import FaultInjector
-from training.flusher import Flusher
-from training.memory import MemoryTier
-from training.state import TrainState, python_rng, rng_tensors
+from stayalive.training.faults import FaultInjector
+from stayalive.training.flusher import Flusher
+from stayalive.training.memory import MemoryTier
+from stayalive.training.state import TrainState, python_rng, rng_tensors
 
 log = structlog.get_logger()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from core.hangs import COMPLETED, ENTERED, GENERATION, PROGRESS_BYTES, PROGRESS_FIELDS, SITE, STEP, Site
+from stayalive.core.hangs import COMPLETED, ENTERED, GENERATION, PROGRESS_BYTES, PROGRESS_FIELDS, SITE, STEP, Site
 
 
 @dataclass(frozen=True)

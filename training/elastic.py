@@ -13,9 +13,9 @@ import json
 import torch
 from safetensors.torch import load, save
 
-from core.hangs import Site
-from training import collectives
-from training.state import TrainState, reseed
+from stayalive.core.hangs import Site
+from stayalive.training import collectives
+from stayalive.training.state import TrainState, reseed
 
 
 def state_from_rank0(state: TrainState, rank: int) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from core.faults import (
+from stayalive.core.faults import (
     BitFlip,
     CollectiveHang,
     CorruptCheckpoint,
@@ -33,8 +33,8 @@ from core.faults import (
     Straggler,
     WrongRank,
 )
-from training import collectives
-from training.checkpoint import MANIFEST, shard_filename
+from stayalive.training import collectives
+from stayalive.training.checkpoint import MANIFEST, shard_filename
 
 log = structlog.get_logger()
 

@@ -1,4 +1,4 @@
-"""The warm fork server a node agent starts its ranks from: `python -m training.forkserver`.
+"""The warm fork server a node agent starts its ranks from: `python -m stayalive.training.forkserver`.
 
 After a crash every rank restarts, and most of a restart is not training: Python start-up and
 `import torch` take seconds of CPU per process (see FIELD-NOTES). The fork server pays for that
@@ -55,10 +55,10 @@ from pydantic import BaseModel
 # of 6, cold processes as well as forked ones, and never without it (torch 2.13, gloo:
 # ~ProcessGroupGloo joins a worker that waits for the GIL). The trainer leaves with os._exit.
 PROFILES = {
-    "trainer": ("torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "training.train"),
+    "trainer": ("torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "stayalive.training.train"),
     "script": ("torch", "torch.distributed"),
 }
-TRAINER_MODULE = "training.train"
+TRAINER_MODULE = "stayalive.training.train"
 _PR_SET_PDEATHSIG = 1
 
 # Read once, when the interpreter or torch starts up (prefixes); TORCHELASTIC_* is read at

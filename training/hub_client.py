@@ -8,7 +8,7 @@ from typing import BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
-from core.access import knock
+from stayalive.core.access import knock
 
 
 def connect_hub(address: str, opening: BaseModel, token: str, timeout: float) -> tuple[socket.socket, BinaryIO]:

@@ -28,10 +28,10 @@ import structlog
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from core.control import Refused
-from core.telemetry import FileHeader, GetFile, PutFile
-from training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
-from training.hub_client import connect_hub
+from stayalive.core.control import Refused
+from stayalive.core.telemetry import FileHeader, GetFile, PutFile
+from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
+from stayalive.training.hub_client import connect_hub
 
 log = structlog.get_logger()
 

@@ -22,9 +22,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from core.hangs import Site
-from training import collectives, memory
-from training.checkpoint import (
+from stayalive.core.hangs import Site
+from stayalive.training import collectives, memory
+from stayalive.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     Manifest,
@@ -33,7 +33,7 @@ from training.checkpoint import (
     parse_shard,
     read_manifest,
 )
-from training.memory import MemoryTier
+from stayalive.training.memory import MemoryTier
 
 log = structlog.get_logger()
 

@@ -25,10 +25,10 @@ from typing import Literal
 
 import torch
 
-from core.hangs import Site
-from core.spec import SdcSpec
-from core.telemetry import Anomaly, SdcCheck
-from training import collectives
+from stayalive.core.hangs import Site
+from stayalive.core.spec import SdcSpec
+from stayalive.core.telemetry import Anomaly, SdcCheck
+from stayalive.training import collectives
 
 TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomputation is exactly 0
 TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-good hardware, × 5

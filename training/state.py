@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.checkpoint import Manifest
+from stayalive.training.checkpoint import Manifest
 
 
 def _json_safe(value: object) -> object:

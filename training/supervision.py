@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
-from core.faults import Fault
-from core.hangs import Site
-from core.spec import SdcSpec
-from core.telemetry import Command, Rejoin
-from training import collectives, memory
-from training.channel import AgentChannel
-from training.memory import MemoryTier
+from stayalive.core.faults import Fault
+from stayalive.core.hangs import Site
+from stayalive.core.spec import SdcSpec
+from stayalive.core.telemetry import Command, Rejoin
+from stayalive.training import collectives, memory
+from stayalive.training.channel import AgentChannel
+from stayalive.training.memory import MemoryTier
 
 _faults = TypeAdapter(list[Fault])
 _KINDS = ("checkpoint", "hold", "exit", "rebalance", "interval")

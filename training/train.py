@@ -1,4 +1,4 @@
-"""Train the small GPT under stayalive: `python -m training.train --preset small`.
+"""Train the small GPT under stayalive: `python -m stayalive.training.train --preset small`.
 
 Data parallel with one explicit gradient all-reduce per step. DistributedDataParallel overlaps its
 bucketed all-reduces with backward, which hides where a rank's compute ends (the straggler signal,
@@ -28,24 +28,24 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from core.escalation import rebalance
-from core.hangs import Site
-from core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
-from core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
-from training import collectives, memory
-from training.channel import AgentChannel
-from training.checkpoint import CheckpointError, Manifest, within_root
-from training.checkpointer import Checkpointer, Identity
-from training.corpus import Corpus, SampleStream, generate_text
-from training.elastic import state_from_rank0
-from training.faults import FaultInjector
-from training.gpt import GPT, PRESETS, GPTConfig
-from training.logs import configure_logging
-from training.memory import MemoryTier
-from training.restore import restore
-from training.sdc import FLAGS, SdcGuard, flat_grads, set_grads
-from training.state import TrainState, restore_rng
-from training.supervision import VOTES, Supervision, SupervisionConfig
+from stayalive.core.escalation import rebalance
+from stayalive.core.hangs import Site
+from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
+from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
+from stayalive.training import collectives, memory
+from stayalive.training.channel import AgentChannel
+from stayalive.training.checkpoint import CheckpointError, Manifest, within_root
+from stayalive.training.checkpointer import Checkpointer, Identity
+from stayalive.training.corpus import Corpus, SampleStream, generate_text
+from stayalive.training.elastic import state_from_rank0
+from stayalive.training.faults import FaultInjector
+from stayalive.training.gpt import GPT, PRESETS, GPTConfig
+from stayalive.training.logs import configure_logging
+from stayalive.training.memory import MemoryTier
+from stayalive.training.restore import restore
+from stayalive.training.sdc import FLAGS, SdcGuard, flat_grads, set_grads
+from stayalive.training.state import TrainState, restore_rng
+from stayalive.training.supervision import VOTES, Supervision, SupervisionConfig
 
 log = structlog.get_logger()
 
@@ -57,7 +57,7 @@ class Outcome(Enum):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stayalive.training.train", description=__doc__)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--global-batch", type=int, default=16, help="samples per step, across all ranks")
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -1,4 +1,4 @@
-"""Test-load checkpoints in a process of their own: `python -m training.validate` reads one checkpoint
+"""Test-load checkpoints in a process of their own: `python -m stayalive.training.validate` reads one checkpoint
 directory per line on stdin and answers one JSON verdict per line on stdout.
 
 A separate process, because the load must not borrow anything from the process that wrote it: the
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from training.checkpoint import CheckpointError, load_checkpoint
-from training.gpt import GPT, GPTConfig
-from training.state import TrainState
+from stayalive.training.checkpoint import CheckpointError, load_checkpoint
+from stayalive.training.gpt import GPT, GPTConfig
+from stayalive.training.state import TrainState
 
 
 class TestLoad(BaseModel):

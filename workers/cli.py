@@ -43,12 +43,12 @@ from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError
 
-from activities.fleet import FleetClient, FleetRefused
-from core.fleet_requests import QuarantineNode, Retest
-from core.run import RunResult, RunState
-from core.spec import RunSpec
-from workers import slurm
-from workers.console import (
+from stayalive.activities.fleet import FleetClient, FleetRefused
+from stayalive.core.fleet_requests import QuarantineNode, Retest
+from stayalive.core.run import RunResult, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers import slurm
+from stayalive.workers.console import (
     checkpoints_table,
     console,
     dump_json,
@@ -59,12 +59,12 @@ from workers.console import (
     timeline_table,
     ui_url,
 )
-from workers.devstack import DevStack, StackError
-from workers.report import write_report
-from workers.specs import UsageError, load_spec
-from workers.temporal import add_temporal_flags, client_config, connect, plain
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
+from stayalive.workers.devstack import DevStack, StackError
+from stayalive.workers.report import write_report
+from stayalive.workers.specs import UsageError, load_spec
+from stayalive.workers.temporal import add_temporal_flags, client_config, connect, plain
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, DrainNode, ResumeFrom, RunWorkflow
 
 DEMO_SPEC = Path("examples/gpt-small.json")
 DEMO_NODES = ["n1", "n2", "n3"]

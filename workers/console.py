@@ -26,10 +26,10 @@ from rich.table import Table
 from rich.text import Text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
-from core.fleet import FleetNode, Quarantine
-from core.goodput import Ledger
-from core.run import CheckpointRecord, Interruption, Progress, RunResult, RunStatus
-from workflows.run import RunWorkflow
+from stayalive.core.fleet import FleetNode, Quarantine
+from stayalive.core.goodput import Ledger
+from stayalive.core.run import CheckpointRecord, Interruption, Progress, RunResult, RunStatus
+from stayalive.workflows.run import RunWorkflow
 
 LOG_WIDTH = 200  # every table's usual rows fit on one line; a longer cell (a reason, a detail) folds
 LOG_EVERY = 10.0  # seconds between progress lines in a log: a line per poll would drown it

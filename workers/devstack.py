@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.netns import Partitionable
-from workers.secret import create_secret
-from workers.temporal import connect, plain
-from workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workers.netns import Partitionable
+from stayalive.workers.secret import create_secret
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 
 
 class StackError(Exception):
@@ -181,7 +181,7 @@ class DevStack:
         return answer.returncode == 0 and "SERVING" in answer.stdout
 
     def start_supervisor(self) -> None:
-        argv = [sys.executable, "-m", "workers.supervisor", "--address", self.address]
+        argv = [sys.executable, "-m", "stayalive.workers.supervisor", "--address", self.address]
         argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(self.metrics_port)]
         self._spawn("supervisor", argv)
 
@@ -196,7 +196,7 @@ class DevStack:
         reaches the server over the namespace's link, and its hub listens on the namespace's side."""
         spare = node in self.spares if spare is None else spare
         address = self.address if netns is None else f"{netns.host_ip}:{self.port}"
-        argv = [*(netns.exec_prefix() if netns else []), sys.executable, "-m", "workers.node_agent"]
+        argv = [*(netns.exec_prefix() if netns else []), sys.executable, "-m", "stayalive.workers.node_agent"]
         argv += ["--node", node, "--address", address, "--host", netns.ns_ip if netns else self.ip]
         argv += ["--secret-file", str(self.secret_file)]
         argv += ["--rack", self.racks.get(node, "rack-a"), *(["--spare"] if spare else [])]

@@ -4,7 +4,7 @@ self-test when the fleet asks. Everything it does for the supervisor arrives at 
 port): it is not a Temporal worker, so 2,048 agents open no long polls at all. It tells the fleet
 where its hub listens when it starts.
 
-    python -m workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233 --secret-file secret
+    python -m stayalive.workers.node_agent --node n1 --rack rack-a --address 127.0.0.1:7233 --secret-file secret
 
 Temporal's settings are the temporal CLI's (workers/temporal.py, TLS included). The hub answers only
 holders of the fleet's secret (workers/secret.py) and, for a run's own doors, its ranks' token.
@@ -29,18 +29,18 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.fleet import FleetClient, FleetRefused
-from agent.forkserver import ForkServers
-from agent.gpu import gpu_telemetry
-from agent.hub import NodeHub
-from agent.node import NodeAgent
-from core.fencing import PARTITION_REPORT
-from core.fleet_requests import FleetRequest, RegisterNode, fleet_id
-from training.logs import configure_logging
-from workers.secret import add_secret_flag, load_secret
-from workers.temporal import add_temporal_flags, client_config, connect
-from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE
+from stayalive.activities.fleet import FleetClient, FleetRefused
+from stayalive.agent.forkserver import ForkServers
+from stayalive.agent.gpu import gpu_telemetry
+from stayalive.agent.hub import NodeHub
+from stayalive.agent.node import NodeAgent
+from stayalive.core.fencing import PARTITION_REPORT
+from stayalive.core.fleet_requests import FleetRequest, RegisterNode, fleet_id
+from stayalive.training.logs import configure_logging
+from stayalive.workers.secret import add_secret_flag, load_secret
+from stayalive.workers.temporal import add_temporal_flags, client_config, connect
+from stayalive.workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
 
@@ -145,7 +145,9 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
 def parser() -> argparse.ArgumentParser:
     """The agent's command line (deploy/kubernetes checks its DaemonSet's flags against it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m workers.node_agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m stayalive.workers.node_agent",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--node", required=True, help="this node's id, e.g. n1")
     parser.add_argument("--rack", default="rack-a", help="the failure domain this node shares with its neighbours")

@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from core.goodput import RECENT, Ledger, ledger, recent_goodput
-from core.paging import PLANNED_CAUSES
-from core.run import RunStatus
+from stayalive.core.goodput import RECENT, Ledger, ledger, recent_goodput
+from stayalive.core.paging import PLANNED_CAUSES
+from stayalive.core.run import RunStatus
 
 Series = npt.NDArray[np.float64]
 

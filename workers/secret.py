@@ -3,7 +3,7 @@ takes for the supervisor's requests, and each run's token derives from it (core.
 readable by the user the workers run as only:
 
     python -c 'import secrets; print(secrets.token_hex(32))' > secret && chmod 600 secret
-    python -m workers.supervisor --secret-file secret      (or STAYALIVE_SECRET_FILE=secret)
+    python -m stayalive.workers.supervisor --secret-file secret      (or STAYALIVE_SECRET_FILE=secret)
 
 The dev stack makes one in its state folder.
 """

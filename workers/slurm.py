@@ -38,8 +38,8 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from core.run import RunResult, RunState
-from core.slurm import (
+from stayalive.core.run import RunResult, RunState
+from stayalive.core.slurm import (
     SINFO_FORMAT,
     Placement,
     drain_reason,
@@ -51,13 +51,13 @@ from core.slurm import (
     rack_of,
     run_workflow_id,
 )
-from core.spec import RunSpec
-from training.logs import configure_logging
-from workers.secret import SECRET_ENV, add_secret_flag
-from workers.specs import UsageError, load_spec
-from workers.temporal import client_config, connect
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
+from stayalive.core.spec import RunSpec
+from stayalive.training.logs import configure_logging
+from stayalive.workers.secret import SECRET_ENV, add_secret_flag
+from stayalive.workers.specs import UsageError, load_spec
+from stayalive.workers.temporal import client_config, connect
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
 
 log = structlog.get_logger()
 
@@ -123,7 +123,15 @@ async def start_agents(
     memory, GPUs) goes to its agent and the ranks it starts, and the step overlaps any other."""
     argv = ["srun", f"--nodes={len(allocation.nodes)}", "--ntasks-per-node=1", "--overlap", "--mem=0"]
     argv += [f"--nodelist={','.join(allocation.nodes)}", "--kill-on-bad-exit=0", "--job-name=stayalive-agents"]
-    argv += [sys.executable, "-m", "workers.cli", "--state-dir", str(args.state_dir.resolve()), "slurm", "agent"]
+    argv += [
+        sys.executable,
+        "-m",
+        "stayalive.workers.cli",
+        "--state-dir",
+        str(args.state_dir.resolve()),
+        "slurm",
+        "agent",
+    ]
     argv += ["--spares", ",".join(placement.spares), "--rack", args.rack]
     log.info("starting node agents", nodes=",".join(allocation.nodes), spares=",".join(placement.spares))
     return await asyncio.create_subprocess_exec(*argv, env=agent_environment(args), stdin=subprocess.DEVNULL)
@@ -322,7 +330,7 @@ def agent(args: argparse.Namespace) -> NoReturn:
     if "GLOO_SOCKET_IFNAME" not in env and (interface := interface_of(address)):
         env["GLOO_SOCKET_IFNAME"] = interface
     spares = [name for name in args.spares.split(",") if name]
-    argv = [sys.executable, "-m", "workers.node_agent", "--node", node, "--host", address]
+    argv = [sys.executable, "-m", "stayalive.workers.node_agent", "--node", node, "--host", address]
     argv += ["--rack", rack_of(fields.get("AvailableFeatures", ""), args.rack), "--state-dir", str(args.state_dir)]
     argv += ["--spare"] if node in spares else []
     sys.stdout.flush()

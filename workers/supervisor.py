@@ -1,6 +1,6 @@
 """The supervisor worker: RunWorkflow, FleetWorkflow and the run-level activities, on task queue `stayalive`.
 
-    python -m workers.supervisor --address 127.0.0.1:7233 --secret-file secret --metrics-port 9464
+    python -m stayalive.workers.supervisor --address 127.0.0.1:7233 --secret-file secret --metrics-port 9464
 
 Temporal's address, namespace and TLS settings are the temporal CLI's (workers/temporal.py); the
 fleet's secret (workers/secret.py) is what the node agents' hubs take for its requests.
@@ -26,18 +26,18 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.worker import Worker
 
-from activities.checkpoints import choose_checkpoint, test_loader
-from activities.fleet import FleetActivities
-from activities.metrics import Exporter, refresh
-from activities.monitor import MonitorActivities
-from activities.nodes import NodeActivities
-from activities.paging import deliver_webhook, page
-from core.fleet_requests import fleet_id
-from training.logs import configure_logging
-from workers.secret import add_secret_flag, load_secret
-from workers.temporal import add_temporal_flags, client_config, connect
-from workflows.fleet import FleetInput, FleetWorkflow
-from workflows.run import TASK_QUEUE, RunWorkflow
+from stayalive.activities.checkpoints import choose_checkpoint, test_loader
+from stayalive.activities.fleet import FleetActivities
+from stayalive.activities.metrics import Exporter, refresh
+from stayalive.activities.monitor import MonitorActivities
+from stayalive.activities.nodes import NodeActivities
+from stayalive.activities.paging import deliver_webhook, page
+from stayalive.core.fleet_requests import fleet_id
+from stayalive.training.logs import configure_logging
+from stayalive.workers.secret import add_secret_flag, load_secret
+from stayalive.workers.temporal import add_temporal_flags, client_config, connect
+from stayalive.workflows.fleet import FleetInput, FleetWorkflow
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 
 log = structlog.get_logger()
 
@@ -136,7 +136,9 @@ async def serve(
 def parser() -> argparse.ArgumentParser:
     """The supervisor's command line (deploy/kubernetes checks its Deployment's flags against it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m workers.supervisor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m stayalive.workers.supervisor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_temporal_flags(parser)
     add_secret_flag(parser)

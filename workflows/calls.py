@@ -19,11 +19,11 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from core.checkpoints import ChooseInput
-    from core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
-    from core.events import MonitorInput, MonitorReport
-    from core.fleet import EvictionOutcome, FailureRate
-    from core.fleet_requests import (
+    from stayalive.core.checkpoints import ChooseInput
+    from stayalive.core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
+    from stayalive.core.events import MonitorInput, MonitorReport
+    from stayalive.core.fleet import EvictionOutcome, FailureRate
+    from stayalive.core.fleet_requests import (
         Acquire,
         Grant,
         MarkSuspect,
@@ -35,9 +35,9 @@ with workflow.unsafe.imports_passed_through():
         Replacement,
         TakeSpare,
     )
-    from core.launch import Launch, Launched
-    from core.paging import Page, PagingClass
-    from core.run import CheckpointRecord
+    from stayalive.core.launch import Launch, Launched
+    from stayalive.core.paging import Page, PagingClass
+    from stayalive.core.run import CheckpointRecord
 
 FOREVER = timedelta(days=3650)
 QUICK = timedelta(minutes=2)

@@ -9,12 +9,12 @@ from datetime import timedelta
 
 from temporalio import workflow
 
-from workflows import calls
-from workflows.inbox import Inbox
+from stayalive.workflows import calls
+from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
-    from core.checkpoints import ChooseInput
-    from core.runbook import RunBook
+    from stayalive.core.checkpoints import ChooseInput
+    from stayalive.core.runbook import RunBook
 
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)

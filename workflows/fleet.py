@@ -29,8 +29,8 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
     from pydantic_core import to_jsonable_python
 
-    from core import fleet_rules as rules
-    from core.fleet import (
+    from stayalive.core import fleet_rules as rules
+    from stayalive.core.fleet import (
         Baseline,
         EvictionOutcome,
         FailureRate,
@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
         Quarantine,
         SelfTestResult,
     )
-    from core.fleet_requests import (
+    from stayalive.core.fleet_requests import (
         Acquire,
         FleetOperation,
         FleetRequest,
@@ -60,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
         TakeSpare,
         fleet_id,
     )
-    from core.fleet_rules import FleetError
+    from stayalive.core.fleet_rules import FleetError
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
 # Before continuing as new, the fleet waits this long without a request: every sender (polling its

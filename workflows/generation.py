@@ -17,12 +17,12 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.workflow import ActivityHandle
 
-from workflows import calls, incidents, stragglers
-from workflows.inbox import Inbox, Request
+from stayalive.workflows import calls, incidents, stragglers
+from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from core.control import CommandRanks
-    from core.events import (
+    from stayalive.core.control import CommandRanks
+    from stayalive.core.events import (
         AllHeld,
         AnomalyFound,
         Hang,
@@ -41,11 +41,11 @@ with workflow.unsafe.imports_passed_through():
         StorageOutage,
         StragglerFound,
     )
-    from core.faults import HARDWARE
-    from core.interval import checkpoint_steps, choose_interval
-    from core.launch import Launch, supervision_env
-    from core.lifecycle import RunState
-    from core.runbook import RunBook
+    from stayalive.core.faults import HARDWARE
+    from stayalive.core.interval import checkpoint_steps, choose_interval
+    from stayalive.core.launch import Launch, supervision_env
+    from stayalive.core.lifecycle import RunState
+    from stayalive.core.runbook import RunBook
 
 
 @dataclass

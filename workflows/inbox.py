@@ -14,7 +14,7 @@ from typing import Literal
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from core.events import CheckpointJudged, MonitorEvent, MonitorReport
+    from stayalive.core.events import CheckpointJudged, MonitorEvent, MonitorReport
 
 
 @dataclass

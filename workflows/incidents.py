@@ -15,17 +15,17 @@ from datetime import UTC, datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows import calls
+from stayalive.workflows import calls
 
 with workflow.unsafe.imports_passed_through():
-    from core.control import HangInput
-    from core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
-    from core.fleet_requests import Replace
-    from core.launch import Membership
-    from core.paging import Classification, Page
-    from core.recovery import interruption_from
-    from core.run import Cause, Detection, Interruption, RunState
-    from core.runbook import RunBook
+    from stayalive.core.control import HangInput
+    from stayalive.core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
+    from stayalive.core.fleet_requests import Replace
+    from stayalive.core.launch import Membership
+    from stayalive.core.paging import Classification, Page
+    from stayalive.core.recovery import interruption_from
+    from stayalive.core.run import Cause, Detection, Interruption, RunState
+    from stayalive.core.runbook import RunBook
 
 
 async def failure(book: RunBook, failed: RankFailed | NodeLost) -> Interruption:

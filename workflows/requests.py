@@ -12,17 +12,17 @@ from datetime import timedelta
 
 from temporalio import workflow
 
-from workflows import calls, checkpoints, generation, incidents
-from workflows.generation import Ending, Generation
-from workflows.inbox import Inbox, Request
+from stayalive.workflows import calls, checkpoints, generation, incidents
+from stayalive.workflows.generation import Ending, Generation
+from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from core.control import CommandRanks, ReleaseRanks
-    from core.events import AllHeld
-    from core.launch import without_node
-    from core.paging import PLANNED
-    from core.run import Cause, Interruption, RunState
-    from core.runbook import RunBook
+    from stayalive.core.control import CommandRanks, ReleaseRanks
+    from stayalive.core.events import AllHeld
+    from stayalive.core.launch import without_node
+    from stayalive.core.paging import PLANNED
+    from stayalive.core.run import Cause, Interruption, RunState
+    from stayalive.core.runbook import RunBook
 
 
 async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: Request) -> Ending | None:

@@ -18,15 +18,15 @@ from temporalio import workflow
 from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
 from temporalio.workflow import ActivityHandle
 
-from workflows import calls, checkpoints, generation, incidents, requests
-from workflows.generation import Ending, Generation, Reattach
-from workflows.inbox import Inbox, Request
+from stayalive.workflows import calls, checkpoints, generation, incidents, requests
+from stayalive.workflows.generation import Ending, Generation, Reattach
+from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from core.control import CommandRanks, ReleaseRanks
-    from core.events import (
+    from stayalive.core.control import CommandRanks, ReleaseRanks
+    from stayalive.core.events import (
         CHECKPOINT_JUDGED,
         MONITOR_REPORT,
         AllHeld,
@@ -38,15 +38,15 @@ with workflow.unsafe.imports_passed_through():
         RanksFinished,
         SdcDetected,
     )
-    from core.fencing import PARTITION_REPORT, PartitionReport, amend
-    from core.fleet_requests import RecordExposure
-    from core.goodput import ledger, recent_goodput
-    from core.health import Health, health_table
-    from core.interval import checkpoint_seconds, choose_interval, prior_mtbf
-    from core.paging import Page
-    from core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
-    from core.runbook import RunBook
-    from core.spec import RunSpec
+    from stayalive.core.fencing import PARTITION_REPORT, PartitionReport, amend
+    from stayalive.core.fleet_requests import RecordExposure
+    from stayalive.core.goodput import ledger, recent_goodput
+    from stayalive.core.health import Health, health_table
+    from stayalive.core.interval import checkpoint_seconds, choose_interval, prior_mtbf
+    from stayalive.core.paging import Page
+    from stayalive.core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
+    from stayalive.core.runbook import RunBook
+    from stayalive.core.spec import RunSpec
 
 TASK_QUEUE = "stayalive"
 # Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
@@ -433,4 +433,4 @@ class RunWorkflow:
 
 
 if __name__ == "__main__":
-    raise SystemExit("RunWorkflow runs in the supervisor worker: python -m workers.supervisor")
+    raise SystemExit("RunWorkflow runs in the supervisor worker: python -m stayalive.workers.supervisor")

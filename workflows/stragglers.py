@@ -15,19 +15,19 @@ import statistics
 
 from temporalio import workflow
 
-from workflows import calls
-from workflows.inbox import Request
-from workflows.incidents import page
+from stayalive.workflows import calls
+from stayalive.workflows.inbox import Request
+from stayalive.workflows.incidents import page
 
 with workflow.unsafe.imports_passed_through():
-    from core.control import CommandRanks
-    from core.diagnosis import NO_TELEMETRY, Diagnosis
-    from core.escalation import Escalation, Strategy, costs, next_strategy
-    from core.events import SlowdownFound, StragglerFound
-    from core.eviction import Eviction, should_evict
-    from core.paging import environmental
-    from core.run import Detection, RunState
-    from core.runbook import RunBook
+    from stayalive.core.control import CommandRanks
+    from stayalive.core.diagnosis import NO_TELEMETRY, Diagnosis
+    from stayalive.core.escalation import Escalation, Strategy, costs, next_strategy
+    from stayalive.core.events import SlowdownFound, StragglerFound
+    from stayalive.core.eviction import Eviction, should_evict
+    from stayalive.core.paging import environmental
+    from stayalive.core.run import Detection, RunState
+    from stayalive.core.runbook import RunBook
 
 # R before the run has restarted once: seed 003's 10 minutes at scale.
 PRIOR_RESTART_S = 600.0

@@ -12,9 +12,9 @@ from pydantic_core import to_jsonable_python
 from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.fleet import LOOK_FOR, FleetClient, FleetRefused
-from core.fleet import FleetAnswer
-from core.fleet_requests import Acquire, FleetRequest, Grant, Release, TakeSpare
+from stayalive.activities.fleet import LOOK_FOR, FleetClient, FleetRefused
+from stayalive.core.fleet import FleetAnswer
+from stayalive.core.fleet_requests import Acquire, FleetRequest, Grant, Release, TakeSpare
 
 
 class StandInFleet:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from activities.checkpoints import Shelf
-from core.events import KeeperInput
-from core.run import CheckpointRecord
+from stayalive.activities.checkpoints import Shelf
+from stayalive.core.events import KeeperInput
+from stayalive.core.run import CheckpointRecord
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 

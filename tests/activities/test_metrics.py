@@ -16,11 +16,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from activities.metrics import OPEN_RUNS, Exporter, refresh_once
-from core.health import Health
-from core.run import Cause, Progress
+from stayalive.activities.metrics import OPEN_RUNS, Exporter, refresh_once
+from stayalive.core.health import Health
+from stayalive.core.run import Cause, Progress
+from stayalive.workers.devstack import temporal_binary
 from tests.core.runs import at, checkpoint, interruption, status
-from workers.devstack import temporal_binary
 
 
 def health(checkpoint_interval_s: float | None = 817.0, *, earlier: Sequence[Cause] = ()) -> Health:

@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.paging import deliver_webhook, page
-from core.paging import Classification, Page, PagingClass
+from stayalive.activities.paging import deliver_webhook, page
+from stayalive.core.paging import Classification, Page, PagingClass
 from tests.helpers import Webhook
 
 SAME_NODE = Classification(

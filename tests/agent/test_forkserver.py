@@ -1,4 +1,4 @@
-"""The warm fork server for real: ranks forked from `python -m training.forkserver`.
+"""The warm fork server for real: ranks forked from `python -m stayalive.training.forkserver`.
 
 Each test runs tests/agent/fork_probe.py as the rank; it reports (as JSON in its log) the argv,
 environment, cwd and sys.path it saw and whether torch was already warm when it started.
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from agent.forkserver import ForkServer, ForkServers
-from agent.processes import RankProcess, start_rank, stop_ranks
+from stayalive.agent.forkserver import ForkServer, ForkServers
+from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
+from stayalive.training.forkserver import profile_for
+from stayalive.workers.devstack import process_alive
 from tests.helpers import ROOT
-from training.forkserver import profile_for
-from workers.devstack import process_alive
 
 PROBE = ROOT / "tests" / "agent" / "fork_probe.py"
 MODULE = [sys.executable, "-m", "tests.agent.fork_probe"]
@@ -210,7 +210,7 @@ async def test_closing_the_server_stops_it_and_what_it_runs(
 @pytest.mark.parametrize(
     ("argv", "profile"),
     [
-        ([sys.executable, "-m", "training.train", "--preset", "tiny"], "trainer"),
+        ([sys.executable, "-m", "stayalive.training.train", "--preset", "tiny"], "trainer"),
         ([sys.executable, "-m", "tests.agent.fork_probe"], "script"),
         ([sys.executable, "examples/tutorial_ddp.py", "--epochs", "2"], "script"),
     ],

@@ -10,9 +10,9 @@ import pydantic
 import pynvml
 import pytest
 
-from agent.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
-from core.diagnosis import Diagnosis, GpuHealth, diagnose
-from core.faults import (
+from stayalive.agent.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
+from stayalive.core.diagnosis import Diagnosis, GpuHealth, diagnose
+from stayalive.core.faults import (
     EccErrors,
     HotAmbient,
     NicSaturated,

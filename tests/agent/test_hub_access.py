@@ -16,15 +16,15 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
-from activities.hubs import ask, open_hub
-from agent.hub import NodeHub
-from agent.node import NodeAgent
-from agent.processes import start_rank
-from agent.relay import StoreRelay
-from core.access import run_token
-from core.control import Prepare, Prepared, Refused, SendCommand, Sent
-from core.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
-from training import memory
+from stayalive.activities.hubs import ask, open_hub
+from stayalive.agent.hub import NodeHub
+from stayalive.agent.node import NodeAgent
+from stayalive.agent.processes import start_rank
+from stayalive.agent.relay import StoreRelay
+from stayalive.core.access import run_token
+from stayalive.core.control import Prepare, Prepared, Refused, SendCommand, Sent
+from stayalive.core.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
+from stayalive.training import memory
 
 SECRET = b"the fleet's secret, 32 bytes ok"
 RUN = "tiny/0000abcd"

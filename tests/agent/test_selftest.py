@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.selftest import CHECKS, SelfTest
-from core.fleet import SelfTestResult
+from stayalive.agent.selftest import CHECKS, SelfTest
+from stayalive.core.fleet import SelfTestResult
 
 
 async def self_test(broken: set[str]) -> tuple[SelfTestResult, list[str]]:

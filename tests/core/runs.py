@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from core.run import Cause, CheckpointRecord, Interruption, RunStatus
-from core.spec import RunSpec
+from stayalive.core.run import Cause, CheckpointRecord, Interruption, RunStatus
+from stayalive.core.spec import RunSpec
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

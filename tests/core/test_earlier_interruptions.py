@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from core.goodput import ledger
-from core.interval import run_mtbf
-from core.run import INTERRUPTIONS_KEPT, Cause, Progress, RunStatus
-from core.runbook import RunBook
+from stayalive.core.goodput import ledger
+from stayalive.core.interval import run_mtbf
+from stayalive.core.run import INTERRUPTIONS_KEPT, Cause, Progress, RunStatus
+from stayalive.core.runbook import RunBook
 from tests.core.runs import at, interruption, status
 
 HOURS = 400  # one interruption an hour: several times what the timeline keeps

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from core.escalation import (
+from stayalive.core.escalation import (
     LADDER,
     Strategy,
     StrategyCosts,

@@ -8,9 +8,9 @@ from datetime import datetime
 
 import pytest
 
-from core.diagnosis import RULES, UNKNOWN_ACTION, Diagnosis, Verdict
-from core.eviction import Eviction, EvictionDecision, payback_seconds, should_evict, straggler_cost
-from core.fleet import EvictionOutcome
+from stayalive.core.diagnosis import RULES, UNKNOWN_ACTION, Diagnosis, Verdict
+from stayalive.core.eviction import Eviction, EvictionDecision, payback_seconds, should_evict, straggler_cost
+from stayalive.core.fleet import EvictionOutcome
 from tests.core.runs import at
 
 R = 600.0  # restart seconds (seed 003 §2)

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic_core import to_json, to_jsonable_python
 
-from core import fleet_rules as rules
-from core.fleet import (
+from stayalive.core import fleet_rules as rules
+from stayalive.core.fleet import (
     BASELINE_WINDOW,
     KEEP_ANSWERS,
     KEEP_BASELINES,

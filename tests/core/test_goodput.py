@@ -9,13 +9,13 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 
-from core.events import FirstStep, NodeLost
-from core.goodput import Ledger, ledger, recent_goodput, straggler_wait
-from core.interval import overhead, young
-from core.paging import PagingClass, classify
-from core.recovery import interruption_from
-from core.run import Cause, CheckpointRecord, Interruption, Progress, RunState, RunStatus
-from core.runbook import RunBook
+from stayalive.core.events import FirstStep, NodeLost
+from stayalive.core.goodput import Ledger, ledger, recent_goodput, straggler_wait
+from stayalive.core.interval import overhead, young
+from stayalive.core.paging import PagingClass, classify
+from stayalive.core.recovery import interruption_from
+from stayalive.core.run import Cause, CheckpointRecord, Interruption, Progress, RunState, RunStatus
+from stayalive.core.runbook import RunBook
 from tests.core.runs import T0, at, checkpoint, interruption, status
 
 STEP_S = 2.0

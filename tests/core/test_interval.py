@@ -9,8 +9,8 @@ from datetime import datetime
 
 import pytest
 
-from core.fleet import PUBLISHED_FAILURES_PER_GPU_HOUR, FailureRate
-from core.interval import (
+from stayalive.core.fleet import PUBLISHED_FAILURES_PER_GPU_HOUR, FailureRate
+from stayalive.core.interval import (
     checkpoint_seconds,
     choose_interval,
     daly,
@@ -21,8 +21,8 @@ from core.interval import (
     run_mtbf,
     young,
 )
-from core.run import Cause, IntervalChoice, RunStatus
-from core.runbook import RunBook
+from stayalive.core.run import Cause, IntervalChoice, RunStatus
+from stayalive.core.runbook import RunBook
 from tests.core.runs import at, checkpoint, interruption, spec, status
 
 # Seed 003: Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
+from stayalive.core.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
 
 
 def test_ranks_are_contiguous_per_node() -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from core.lifecycle import TRANSITIONS, RunState, why
-from core.run import RunStatus
-from core.runbook import RunBook
+from stayalive.core.lifecycle import TRANSITIONS, RunState, why
+from stayalive.core.run import RunStatus
+from stayalive.core.runbook import RunBook
 from tests.core.runs import at, interruption
 from tests.helpers import tiny_spec
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from core.paging import (
+from stayalive.core.paging import (
     PLANNED,
     PLANNED_CAUSES,
     STORAGE_OUTAGE_INTERVALS,
@@ -16,8 +16,8 @@ from core.paging import (
     over_limit,
     storage_outage,
 )
-from core.run import Cause, Interruption
-from core.spec import FailureLimit
+from stayalive.core.run import Cause, Interruption
+from stayalive.core.spec import FailureLimit
 from tests.core.runs import at, interruption
 
 HOUR = 3600.0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.events import RankFailed
-from core.recovery import interruption_from
-from core.run import Cause, Interruption, Progress
+from stayalive.core.events import RankFailed
+from stayalive.core.recovery import interruption_from
+from stayalive.core.run import Cause, Interruption, Progress
 from tests.core.runs import T0, at, interruption, spec, status
 
 

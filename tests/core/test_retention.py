@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from core.events import CheckpointJudged
-from core.goodput import ledger
-from core.retention import keep_count, to_delete
-from core.run import SERIES_POINTS, CheckpointRecord
-from core.runbook import RunBook
+from stayalive.core.events import CheckpointJudged
+from stayalive.core.goodput import ledger
+from stayalive.core.retention import keep_count, to_delete
+from stayalive.core.run import SERIES_POINTS, CheckpointRecord
+from stayalive.core.runbook import RunBook
 from tests.core.runs import spec, status
 
 START = datetime(2026, 1, 1, tzinfo=UTC)

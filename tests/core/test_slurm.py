@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.slurm import (
+from stayalive.core.slurm import (
     Placement,
     SlurmNode,
     drains_to_ask,
@@ -15,7 +15,7 @@ from core.slurm import (
     rack_of,
     run_workflow_id,
 )
-from core.spec import RunSpec
+from stayalive.core.spec import RunSpec
 
 GPUS = [f"gpu{n:03d}" for n in range(130)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from core.spec import CheckpointInterval, RunSpec, parse_seconds
+from stayalive.core.spec import CheckpointInterval, RunSpec, parse_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def valid() -> dict[str, object]:
         "world_size": 4,
         "ranks_per_node": 2,
         "nodes": ["n1", "n2"],
-        "entrypoint": ["python", "-m", "training.train"],
+        "entrypoint": ["python", "-m", "stayalive.training.train"],
         "target_step": 100,
         "checkpoint": {"root": "/tmp/ckpt"},
     }
@@ -33,7 +33,7 @@ def test_shipped_examples_are_valid(example: Path) -> None:
 INVALID = [
     ("missing field", {"target_step": None, "name": "gpt"}, "name", None),
     ("world size vs nodes", {"world_size": 6}, "", "set world_size to 4"),
-    ("entrypoint as a string", {"entrypoint": "python -m training.train"}, "entrypoint", "argv list"),
+    ("entrypoint as a string", {"entrypoint": "python -m stayalive.training.train"}, "entrypoint", "argv list"),
     ("unknown fault kind", {"faults": [{"kind": "meteor", "rank": 0}]}, "faults.0", "meteor"),
     (
         "fault on a rank that does not exist",

@@ -3,11 +3,11 @@ generations it spans, one page, and the run's health says storage is away until 
 
 from __future__ import annotations
 
-from core.events import StorageOutage
-from core.health import Health
-from core.paging import storage_outage
-from core.run import Outage
-from core.runbook import RunBook
+from stayalive.core.events import StorageOutage
+from stayalive.core.health import Health
+from stayalive.core.paging import storage_outage
+from stayalive.core.run import Outage
+from stayalive.core.runbook import RunBook
 from tests.core.runs import at, status
 
 OUTAGE = Outage(since=at(seconds=100).timestamp(), error="[Errno 28] No space left on device", step=20)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from core.events import (
+from stayalive.core.events import (
     FirstStep,
     Hang,
     KeeperInput,
@@ -17,9 +17,9 @@ from core.events import (
     RanksFinished,
     StorageOutage,
 )
-from core.paging import PagingClass
-from core.run import Outage
-from core.telemetry import (
+from stayalive.core.paging import PagingClass
+from stayalive.core.run import Outage
+from stayalive.core.telemetry import (
     CheckpointCommitted,
     Finished,
     Held,
@@ -29,7 +29,7 @@ from core.telemetry import (
     StorageUnavailable,
     pack_steps,
 )
-from core.watch import WITNESS_GRACE_S, GenerationWatch
+from stayalive.core.watch import WITNESS_GRACE_S, GenerationWatch
 
 NODES = ["a", "b", "c"]
 SILENCE = 15.0

@@ -10,9 +10,9 @@ import pytest
 import torch
 from temporalio.client import Client, WorkflowFailureError
 
-from core.run import RunState
+from stayalive.core.run import RunState
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import REFERENCE_STEPS, final_state, start, tiny_spec, wait_for_fleet
-from workflows.run import RunWorkflow
 
 
 @pytest.fixture(autouse=True)

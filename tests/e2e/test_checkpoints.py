@@ -11,11 +11,11 @@ import pytest
 import torch
 from temporalio.client import Client
 
-from core.run import Cause, RunState
+from stayalive.core.run import Cause, RunState
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import REFERENCE_STEPS as TARGET
 from tests.helpers import assert_bitwise_equal, final_state, rank_pids, start, tiny_spec, wait_until
-from workers.devstack import DevStack
-from workflows.run import RunWorkflow
 
 
 async def test_killed_three_times_ends_bitwise_identical(

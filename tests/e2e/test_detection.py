@@ -13,18 +13,28 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle
 
-from core.detectors import ABSOLUTE_MIN_EXCESS, SMOOTH_STEPS
-from core.paging import PagingClass
-from core.run import Cause, RunState
-from core.spec import RunSpec
+from stayalive.core.detectors import ABSOLUTE_MIN_EXCESS, SMOOTH_STEPS
+from stayalive.core.paging import PagingClass
+from stayalive.core.run import Cause, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import Webhook, start, tiny_spec, wait_for_fleet
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import RunWorkflow
 
 # Simulated device time per step makes compute times as steady as a GPU's (see --device-ms): four
 # or eight ranks sharing two cores otherwise jitter by tens of percent. 30 ms makes compute about
 # three quarters of a step, as on a GPU, so a slowdown of compute shows in the step time.
-ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "8", "--device-ms", "30"]
+ENTRYPOINT = [
+    "python",
+    "-m",
+    "stayalive.training.train",
+    "--preset",
+    "tiny",
+    "--global-batch",
+    "8",
+    "--device-ms",
+    "30",
+]
 
 
 # The healthy run and the hot aisle share a configuration no other test runs (its digest covers `env`):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.run import Cause, RunState
+from stayalive.core.run import Cause, RunState
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec, wait_for_step, wait_until
-from workers.devstack import DevStack
-from workflows.run import RunWorkflow
 
 
 async def test_supervisor_worker_killed_mid_run(client: Client, stack: DevStack, checkpoint_root: Path) -> None:

@@ -9,15 +9,25 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.escalation import Strategy, rebalance
-from core.run import RunState
+from stayalive.core.escalation import Strategy, rebalance
+from stayalive.core.run import RunState
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import RecordCollector, start, step_reports, tiny_spec, wait_until
-from workflows.run import RunWorkflow
 
 # The straggler slows device time only. At 60 ms it is most of a step, so the throughput the straggler
 # takes (and S2 wins back) stands well above the jitter of four ranks sharing two cores: with 30 ms, a
 # step's ~23 ms of host work made the measured recovery swing from 43% to 99% between runs.
-ENTRYPOINT = ["python", "-m", "training.train", "--preset", "tiny", "--global-batch", "32", "--device-ms", "120"]
+ENTRYPOINT = [
+    "python",
+    "-m",
+    "stayalive.training.train",
+    "--preset",
+    "tiny",
+    "--global-batch",
+    "32",
+    "--device-ms",
+    "120",
+]
 SLOW_FROM = 80
 TARGET = 350
 

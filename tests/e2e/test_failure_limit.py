@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowFailureError
 
-from core.run import Cause, RunState, RunStatus
+from stayalive.core.run import Cause, RunState, RunStatus
+from stayalive.workers.devstack import process_alive
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import rank_pids, start, tiny_spec, wait_until
-from workers.devstack import process_alive
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import RunWorkflow
 
 ONE_PER_HOUR = {"failures": 1, "window": "1h"}
 PAUSES = 100

@@ -31,10 +31,10 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.fleet import FleetClient, FleetRefused
-from agent.selftest import SelfTest
-from core.fleet import FleetNode, NodeState, SelfTestResult
-from core.fleet_requests import (
+from stayalive.activities.fleet import FleetClient, FleetRefused
+from stayalive.agent.selftest import SelfTest
+from stayalive.core.fleet import FleetNode, NodeState, SelfTestResult
+from stayalive.core.fleet_requests import (
     Acquire,
     FleetOp,
     Grant,
@@ -46,12 +46,12 @@ from core.fleet_requests import (
     Retest,
     SelfTestInput,
 )
+from stayalive.workers import cli
+from stayalive.workers.devstack import temporal_binary
+from stayalive.workers.node_agent import register as register_agent
+from stayalive.workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
+from stayalive.workflows.run import TASK_QUEUE
 from tests.helpers import workflow_id
-from workers import cli
-from workers.devstack import temporal_binary
-from workers.node_agent import register as register_agent
-from workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
-from workflows.run import TASK_QUEUE
 
 BURST = 2048
 PAYLOAD_LIMIT = 256 * 1024

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.events import MonitorReport
-from core.run import RunState
+from stayalive.core.events import MonitorReport
+from stayalive.core.run import RunState
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec
-from workers.devstack import DevStack
-from workflows.run import RunWorkflow
 
 REFRESH_S = 2.0
 DELIVERY_S = 3.0  # a signal's way to the workflow, and its task, on a loaded two-core machine

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.run import RunState
+from stayalive.core.run import RunState
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec
-from workflows.run import RunWorkflow
 
 FIRST_S = 1.0  # min_interval: the first checkpoint comes early, to measure C
 THEN_S = 3.0  # max_interval: Daly's optimum for a tiny C and a 1,000 h prior MTBF is minutes; the bound holds it

@@ -12,8 +12,8 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.service import RPCError
 
+from stayalive.workers.devstack import DevStack, temporal_binary
 from tests.helpers import ROOT, workflow_id
-from workers.devstack import DevStack, temporal_binary
 
 BASE = json.loads((ROOT / "examples" / "gpt-small.json").read_text())
 
@@ -23,7 +23,7 @@ CASES = {
         "entrypoint: required field is missing",
     ),
     "world size": (BASE | {"world_size": 6}, "set world_size to 4"),
-    "entrypoint string": (BASE | {"entrypoint": "python -m training.train"}, "must be an argv list"),
+    "entrypoint string": (BASE | {"entrypoint": "python -m stayalive.training.train"}, "must be an argv list"),
     "unknown fault": (BASE | {"faults": [{"kind": "meteor", "rank": 1}]}, "unknown kind 'meteor'"),
 }
 
@@ -37,7 +37,7 @@ async def test_stayalive_cli_rejects_and_starts_nothing(
     path.write_text(json.dumps(raw | {"name": name}))
     for command in (["check", str(path)], ["--address", stack.address, "run", str(path)]):
         done = subprocess.run(
-            [sys.executable, "-m", "workers.cli", *command],
+            [sys.executable, "-m", "stayalive.workers.cli", *command],
             capture_output=True,
             text=True,
             cwd=ROOT,

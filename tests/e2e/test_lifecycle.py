@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 
-from activities.fleet import FleetClient
-from core.fleet import NodeState
-from core.fleet_requests import Acquire, Release
-from core.run import Cause, RunState
+from stayalive.activities.fleet import FleetClient
+from stayalive.core.fleet import NodeState
+from stayalive.core.fleet_requests import Acquire, Release
+from stayalive.core.run import Cause, RunState
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.helpers import (
     RecordCollector,
     activity_log,
@@ -26,9 +29,6 @@ from tests.helpers import (
     wait_for_step,
     wait_until,
 )
-from workers.devstack import DevStack
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import DrainNode, ResumeFrom, RunWorkflow
 
 GLOBAL_BATCH = 8
 

@@ -16,9 +16,14 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from core.fencing import FENCE_FILE
-from core.run import Cause, RunState
-from core.spec import RunSpec
+from stayalive.core.fencing import FENCE_FILE
+from stayalive.core.run import Cause, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.netns import Partitionable, usable
+from stayalive.workers.secret import SECRET_ENV, create_secret
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import (
     ROOT,
     TINY_ENTRYPOINT,
@@ -31,11 +36,6 @@ from tests.helpers import (
     wait_for_step,
     wait_until,
 )
-from workers.devstack import DevStack, free_port
-from workers.netns import Partitionable, usable
-from workers.secret import SECRET_ENV, create_secret
-from workers.temporal import connect, plain
-from workflows.run import RunWorkflow
 
 pytestmark = pytest.mark.skipif(usable() is not None, reason=f"a real partition: {usable()}")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from temporalio.client import Client
 
-from core.run import Cause, RunState
-from core.spec import RunSpec
+from stayalive.core.run import Cause, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import process_alive
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
-from workers.devstack import process_alive
-from workflows.run import RunWorkflow
 
 RUNS = 10
 

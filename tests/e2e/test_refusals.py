@@ -7,11 +7,11 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.run import RunState
-from core.spec import RunSpec
+from stayalive.core.run import RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, wait_for_fleet, workflow_id
-from workers.devstack import DevStack
-from workflows.run import RunWorkflow
 
 
 async def test_nccl_on_nodes_without_cuda_fails_at_launch_and_starts_no_rank(

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from temporalio.client import Client
 
-from core.run import Cause, RunState
+from stayalive.core.run import Cause, RunState
+from stayalive.training.checkpoint import load_checkpoint
+from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import REFERENCE_STEPS, TINY_ENTRYPOINT, assert_bitwise_equal, final_state, start, tiny_spec
-from training.checkpoint import load_checkpoint
-from workflows.fleet import FleetWorkflow, fleet_handle
-from workflows.run import RunWorkflow
 
 
 async def test_a_transient_bit_flip_rolls_back_to_the_verified_ancestor_and_ends_bitwise_clean(

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from core.run import Cause, RunResult, RunState
-from core.telemetry import StepReport
+from stayalive.core.run import Cause, RunResult, RunState
+from stayalive.core.telemetry import StepReport
+from stayalive.workers.devstack import DevStack, temporal_binary
+from stayalive.workflows.run import RunWorkflow
 from tests.helpers import (
     ROOT,
     RecordCollector,
@@ -23,8 +25,6 @@ from tests.helpers import (
     wait_until,
     workflow_id,
 )
-from workers.devstack import DevStack, temporal_binary
-from workflows.run import RunWorkflow
 
 
 def final_lineage_samples(reports: list[StepReport], result: RunResult, target: int) -> dict[int, list[int]]:

@@ -15,10 +15,10 @@ from urllib.parse import quote
 import pytest
 from temporalio.client import Client
 
-from core.run import Cause, RunState
+from stayalive.core.run import Cause, RunState
+from stayalive.workers.devstack import DevStack
 from tests.browser import chromium, open_browser
 from tests.helpers import activity_log, start, tiny_spec
-from workers.devstack import DevStack
 
 
 @pytest.fixture

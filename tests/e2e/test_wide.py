@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from core.run import Cause, RunState
-from core.spec import RunSpec
+from stayalive.core.run import Cause, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import DevStack
+from stayalive.workflows.run import DrainNode, RunWorkflow
 from tests.helpers import (
     RecordCollector,
     activity_log,
@@ -26,8 +28,6 @@ from tests.helpers import (
     wait_for_step,
     wait_until,
 )
-from workers.devstack import DevStack
-from workflows.run import DrainNode, RunWorkflow
 
 NODES = [f"w{i}" for i in range(1, 8)]
 GLOBAL_BATCH = 30  # shares evenly among 6 ranks and among 5
@@ -35,7 +35,7 @@ TARGET = 120  # long enough for a crash, the crashed node's self-test and a drai
 # What a run's history may schedule, at any width: its monitor, a hang's stack dumps, a webhook page.
 # Everything that touches nodes is one local activity for all of them.
 SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
-TRAINER = ["python", "-m", "training.train", "--preset", "tiny"]
+TRAINER = ["python", "-m", "stayalive.training.train", "--preset", "tiny"]
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ from typing import Any
 
 from temporalio import activity
 
-import activities.checkpoints
-import activities.paging
-from activities.monitor import MonitorActivities
-from activities.nodes import NodeActivities
-from sim.activities import SimulatedSupervisor
-from sim.cluster import FailureSchedule, SimulatedCluster
+from stayalive.activities import checkpoints, paging
+from stayalive.activities.monitor import MonitorActivities
+from stayalive.activities.nodes import NodeActivities
+from stayalive.sim.activities import SimulatedSupervisor
+from stayalive.sim.cluster import FailureSchedule, SimulatedCluster
 
 
 def signatures(functions: Iterable[Callable[..., Any]]) -> dict[str, tuple[object, object]]:
@@ -31,5 +30,5 @@ def declared(*owners: type | ModuleType) -> list[Callable[..., Any]]:
 
 def test_every_supervisor_activity_on_nodes_telemetry_or_storage_has_a_simulated_twin() -> None:
     simulated = SimulatedSupervisor(SimulatedCluster(["n1"], FailureSchedule()))
-    real = declared(MonitorActivities, NodeActivities, activities.checkpoints, activities.paging)
+    real = declared(MonitorActivities, NodeActivities, checkpoints, paging)
     assert signatures(simulated.activities()) == signatures(real)

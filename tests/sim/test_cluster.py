@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.launch import Launch
-from core.telemetry import Command
-from sim.cluster import FailureSchedule, Fault, SimulatedCluster
-from sim.failure_mix import Draw
-from sim.month import TrainingTimeSchedule
+from stayalive.core.launch import Launch
+from stayalive.core.telemetry import Command
+from stayalive.sim.cluster import FailureSchedule, Fault, SimulatedCluster
+from stayalive.sim.failure_mix import Draw
+from stayalive.sim.month import TrainingTimeSchedule
 
 STEP_S = 1.0
 

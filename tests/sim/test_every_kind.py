@@ -12,12 +12,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from core.run import Cause, RunState
-from sim import history, scenario
-from sim.scenario import Ran
-from workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
-from workflows.fleet import FleetWorkflow
-from workflows.run import RunWorkflow
+from stayalive.core.run import Cause, RunState
+from stayalive.sim import history, scenario
+from stayalive.sim.scenario import Ran
+from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
+from stayalive.workflows.fleet import FleetWorkflow
+from stayalive.workflows.run import RunWorkflow
 
 NODES = 128
 BUDGET = 50  # history events per interruption, over every execution it touches (DESIGN §3a)

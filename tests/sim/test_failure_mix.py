@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.failure_mix import (
+from stayalive.sim.failure_mix import (
     LLAMA3_CSV,
     LLAMA3_UNEXPECTED_INTERRUPTIONS,
     MAPPING,

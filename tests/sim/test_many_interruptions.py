@@ -37,14 +37,14 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from core.paging import PagingClass
-from core.run import INTERRUPTIONS_KEPT, Cause, RunResult, RunState
-from sim import history
-from sim.cluster import FailureSchedule, SimulatedCluster
-from sim.workers import register, register_search_attributes, simulated_workers
+from stayalive.core.paging import PagingClass
+from stayalive.core.run import INTERRUPTIONS_KEPT, Cause, RunResult, RunState
+from stayalive.sim import history
+from stayalive.sim.cluster import FailureSchedule, SimulatedCluster
+from stayalive.sim.workers import register, register_search_attributes, simulated_workers
+from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 from tests.helpers import tiny_spec
-from workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
-from workflows.run import TASK_QUEUE, RunWorkflow
 
 INTERRUPTIONS = 300
 # On the dev server: about a minute for 300 (it persists every event). A crash costs its history

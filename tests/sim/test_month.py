@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from core.run import Cause, RunState
-from sim.failure_mix import Draw, Kind
-from sim.measure import came_back, interval_error, measured
-from sim.month import DAY_S, STEP_S, Month, MonthRan, simulate
+from stayalive.core.run import Cause, RunState
+from stayalive.sim.failure_mix import Draw, Kind
+from stayalive.sim.measure import came_back, interval_error, measured
+from stayalive.sim.month import DAY_S, STEP_S, Month, MonthRan, simulate
 
 HOUR = 3600.0
 TARGET = round(5 * DAY_S * 0.95 / STEP_S)

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from sim.cluster import FailureSchedule, SimulatedCluster
-from sim.monitor import until_cancelled
+from stayalive.sim.cluster import FailureSchedule, SimulatedCluster
+from stayalive.sim.monitor import until_cancelled
 
 
 @pytest.mark.parametrize("turns", range(6))

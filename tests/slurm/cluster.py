@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from workers.devstack import end_process
-from workers.netns import Segment
+from stayalive.workers.devstack import end_process
+from stayalive.workers.netns import Segment
 
 COMMANDS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "srun", "nsenter"]
 PORTS = (16817, 16818)  # slurmctld's and every slurmd's (each slurmd in its own namespace)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from activities.checkpoints import validate
-from core.fencing import FENCE_FILE
-from core.telemetry import CheckpointCommitted
-from training.checkpoint import (
+from stayalive.activities.checkpoints import validate
+from stayalive.core.fencing import FENCE_FILE
+from stayalive.core.telemetry import CheckpointCommitted
+from stayalive.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     load_checkpoint,
@@ -27,11 +27,11 @@ from training.checkpoint import (
     within_root,
     write_fence,
 )
-from training.checkpointer import Checkpointer, Identity
-from training.faults import FaultInjector
-from training.gpt import GPT, PRESETS, GPTConfig
-from training.state import TrainState
-from training.validate import test_load as load_for_validation
+from stayalive.training.checkpointer import Checkpointer, Identity
+from stayalive.training.faults import FaultInjector
+from stayalive.training.gpt import GPT, PRESETS, GPTConfig
+from stayalive.training.state import TrainState
+from stayalive.training.validate import test_load as load_for_validation
 
 CONFIG = GPTConfig(vocab_size=20, **PRESETS["tiny"])
 

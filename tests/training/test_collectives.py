@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.hangs import CollectiveProgress, Site
-from training import collectives
+from stayalive.core.hangs import CollectiveProgress, Site
+from stayalive.training import collectives
 
 
 @pytest.fixture

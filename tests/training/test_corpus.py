@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.corpus import Corpus, SampleStream, generate_text
+from stayalive.training.corpus import Corpus, SampleStream, generate_text
 
 
 @pytest.fixture(scope="module")

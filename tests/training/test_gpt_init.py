@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.corpus import Corpus, SampleStream, generate_text
-from training.gpt import GPT, INIT_STD, PRESETS, Block, GPTConfig
-from training.train import parse_args
+from stayalive.training.corpus import Corpus, SampleStream, generate_text
+from stayalive.training.gpt import GPT, INIT_STD, PRESETS, Block, GPTConfig
+from stayalive.training.train import parse_args
 
 
 def trainer_presets() -> list[str]:

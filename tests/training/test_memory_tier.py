@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from agent.hub import NodeHub
-from core.access import run_token
-from core.telemetry import Resumed
+from stayalive.agent.hub import NodeHub
+from stayalive.core.access import run_token
+from stayalive.core.telemetry import Resumed
+from stayalive.training.checkpoint import MANIFEST, read_manifest, shard_filename
+from stayalive.training.memory import memory_path
 from tests.helpers import ROOT
-from training.checkpoint import MANIFEST, read_manifest, shard_filename
-from training.memory import memory_path
 
 SECRET = b"test fleet secret, 32 bytes long"
 RUN = "tier/0000abcd"
@@ -45,7 +45,7 @@ async def launch(hubs: list[NodeHub], ckpt: Path, world_size: int, generation: i
     }
     if resume is not None:
         env["STAYALIVE_RESUME_FROM"] = str(resume)
-    argv = [sys.executable, "-m", "training.train", "--preset", "tiny", "--global-batch", "8"]
+    argv = [sys.executable, "-m", "stayalive.training.train", "--preset", "tiny", "--global-batch", "8"]
     ranks = []
     for rank in range(world_size):
         hub = hubs[rank // per_node]

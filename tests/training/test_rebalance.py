@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.escalation import rebalance
-from training.corpus import Corpus, SampleStream, generate_text
-from training.gpt import GPT, PRESETS, GPTConfig
+from stayalive.core.escalation import rebalance
+from stayalive.training.corpus import Corpus, SampleStream, generate_text
+from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 
 GLOBAL_BATCH = 32
 WORLD_SIZE = 4

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from agent.hub import NodeHub
-from core.access import run_token
-from core.launch import EXIT_CHECKPOINT_UNUSABLE
-from core.telemetry import Resumed, StepReport
+from stayalive.agent.hub import NodeHub
+from stayalive.core.access import run_token
+from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE
+from stayalive.core.telemetry import Resumed, StepReport
+from stayalive.training.checkpoint import load_checkpoint
 from tests.helpers import ROOT
-from training.checkpoint import load_checkpoint
 
 SECRET = b"test fleet secret, 32 bytes long"
 RUN = "resize/0000abcd"
@@ -42,7 +42,7 @@ async def launch(hub: NodeHub, ckpt: Path, world_size: int, generation: int, res
     }
     if resume is not None:
         env["STAYALIVE_RESUME_FROM"] = str(resume)
-    argv = [sys.executable, "-m", "training.train", "--preset", "tiny", "--global-batch", str(GLOBAL_BATCH)]
+    argv = [sys.executable, "-m", "stayalive.training.train", "--preset", "tiny", "--global-batch", str(GLOBAL_BATCH)]
     ranks = [
         await asyncio.create_subprocess_exec(*argv, env=env | {"RANK": str(r)}, cwd=ROOT) for r in range(world_size)
     ]
@@ -106,7 +106,14 @@ async def test_a_resume_path_outside_the_checkpoint_root_is_refused(tmp_path: Pa
         "STAYALIVE_RESUME_FROM": str(tmp_path / "ckpt" / ".." / "elsewhere"),
     }
     rank = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "training.train", "--preset", "tiny", env=env, cwd=ROOT, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "stayalive.training.train",
+        "--preset",
+        "tiny",
+        env=env,
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await rank.communicate()
     assert rank.returncode == EXIT_CHECKPOINT_UNUSABLE

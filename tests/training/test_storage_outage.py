@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from core.faults import DiskFull, Fault, StorageOutage
+from stayalive.core.faults import DiskFull, Fault, StorageOutage
+from stayalive.training.checkpoint import checkpoint_dirname, load_checkpoint
+from stayalive.training.checkpointer import Checkpointer, Identity
+from stayalive.training.faults import FaultInjector
+from stayalive.training.memory import MemoryTier
+from stayalive.training.state import TrainState
 from tests.training.test_checkpoint_format import CONFIG, tiny_state
-from training.checkpoint import checkpoint_dirname, load_checkpoint
-from training.checkpointer import Checkpointer, Identity
-from training.faults import FaultInjector
-from training.memory import MemoryTier
-from training.state import TrainState
 
 RUN = "outage/0000abcd"
 OUTAGE_S = 1.5

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from core.fleet import FleetNode, NodeState, Quarantine
-from core.run import Cause, CheckpointRecord, Interruption
+from stayalive.core.fleet import FleetNode, NodeState, Quarantine
+from stayalive.core.run import Cause, CheckpointRecord, Interruption
+from stayalive.workers import cli
+from stayalive.workflows.fleet import FleetWorkflow
+from stayalive.workflows.run import RunWorkflow
 from tests.core.runs import checkpoint, interruption
-from workers import cli
-from workflows.fleet import FleetWorkflow
-from workflows.run import RunWorkflow
 
 AT = datetime(2026, 1, 1, 13, 16, 42, tzinfo=UTC)
 

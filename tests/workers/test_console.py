@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from core.goodput import Ledger
-from core.run import Cause, Progress, RunResult, RunState
+from stayalive.core.goodput import Ledger
+from stayalive.core.run import Cause, Progress, RunResult, RunState
+from stayalive.workers import console as ui
 from tests.core.runs import checkpoint, interruption, status
-from workers import console as ui
 
 AT = datetime(2026, 1, 1, 13, 16, 42, tzinfo=UTC)
 CONTROL = ("…", "\r", "\x1b[")  # an elided cell; a redrawn line; cursor movement or colour

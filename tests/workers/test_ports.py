@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from stayalive.workers.devstack import DevStack, StackError, free_or_any
+from stayalive.workers.secret import create_secret
 from tests.helpers import ROOT
-from workers.devstack import DevStack, StackError, free_or_any
-from workers.secret import create_secret
 
 
 @pytest.fixture
@@ -34,7 +34,15 @@ def test_a_port_in_use_is_passed_over_and_a_free_one_kept(taken: int) -> None:
 
 def test_supervisor_says_its_metrics_port_is_taken_and_exits(taken: int, tmp_path: Path) -> None:
     secret = create_secret(tmp_path / "secret")
-    argv = [sys.executable, "-m", "workers.supervisor", "--address", "127.0.0.1:1", "--metrics-port", str(taken)]
+    argv = [
+        sys.executable,
+        "-m",
+        "stayalive.workers.supervisor",
+        "--address",
+        "127.0.0.1:1",
+        "--metrics-port",
+        str(taken),
+    ]
     argv += ["--secret-file", str(secret)]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode != 0

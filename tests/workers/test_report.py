@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.goodput import ledger
-from core.run import (
+from stayalive.core.goodput import ledger
+from stayalive.core.run import (
     Cause,
     DeletedCheckpoints,
     EarlierInterruptions,
@@ -21,9 +21,8 @@ from core.run import (
     RunStatus,
     Sample,
 )
-from tests.core.runs import at, checkpoint, interruption, status
-from workers import cli
-from workers.report import (
+from stayalive.workers import cli
+from stayalive.workers.report import (
     POINTS,
     NodeCounts,
     counts_by_cause,
@@ -34,6 +33,7 @@ from workers.report import (
     time_axis,
     write_report,
 )
+from tests.core.runs import at, checkpoint, interruption, status
 
 END = at(hours=4)
 FILES = ["goodput.png", "interval.png", "interruptions.png", "step_time.png"]

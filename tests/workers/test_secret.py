@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.secret import create_secret, load_secret
+from stayalive.workers.secret import create_secret, load_secret
 
 
 def test_a_new_secret_is_private_random_and_kept(tmp_path: Path) -> None:

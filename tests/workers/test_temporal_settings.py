@@ -16,10 +16,10 @@ import pytest
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import TLSConfig
 
-from agent.relay import splice
-from core.launch import Endpoint
-from workers.devstack import DevStack, free_port
-from workers.temporal import add_temporal_flags, client_config, connect
+from stayalive.agent.relay import splice
+from stayalive.core.launch import Endpoint
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.temporal import add_temporal_flags, client_config, connect
 
 DEFAULT: dict[str, object] = {"target_host": "127.0.0.1:7233", "namespace": "default"}
 
