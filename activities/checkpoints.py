@@ -39,6 +39,7 @@ from stayalive.training.checkpoint import (
     read_manifest,
     within_root,
 )
+from stayalive.training.dcp_format import read_dcp_manifest
 from stayalive.training.validate import TestLoad
 
 log = structlog.get_logger()
@@ -287,7 +288,11 @@ def _record(path: Path, step: int, generation: int, verdict: Verdict) -> Checkpo
         manifest = read_manifest(path)
         blocking, last_verified = max(s.blocking_s for s in manifest.shards), manifest.last_verified_step
     except CheckpointError:
-        blocking, last_verified = 0.0, 0
+        try:  # the public API's format (training/dcp_format.py)
+            dcp_manifest = read_dcp_manifest(path)
+            blocking, last_verified = dcp_manifest.blocking_s, dcp_manifest.last_verified_step
+        except CheckpointError:
+            blocking, last_verified = 0.0, 0
     return CheckpointRecord(
         step=step,
         path=str(path),

@@ -40,6 +40,7 @@ class Site(IntEnum):
     AGREEMENT = 3  # ranks agreeing on a command's payload (a rebalance's speeds, a checkpoint interval)
     RESTORE = 4  # loading a checkpoint: where each shard comes from, then every shard
     HANDOVER = 5  # newcomers taking rank 0's live state
+    CONTROL = 6  # the public training API's per-step vote on commands (stayalive.Run)
 
 
 SITE_NAMES: dict[int, str] = {
@@ -48,6 +49,7 @@ SITE_NAMES: dict[int, str] = {
     Site.AGREEMENT: "a command's agreement",
     Site.RESTORE: "the checkpoint restore",
     Site.HANDOVER: "the state hand-over",
+    Site.CONTROL: "the step's command vote",
 }
 
 

@@ -20,43 +20,26 @@ replica's.
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import structlog
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from stayalive.core.fencing import fenced_out
 from stayalive.training import memory
-from stayalive.training.checkpoint import (
-    MANIFEST,
-    Manifest,
-    ShardRecord,
-    checkpoint_dirname,
-    fsync_dir,
-    parse_checkpoint_dirname,
-    partition,
-    read_fence,
-    shard_filename,
-    write_atomically,
-)
+from stayalive.training.checkpoint import Manifest, ShardRecord, checkpoint_dirname, partition, shard_filename
+from stayalive.training.commit import DURABLE, Committer, copy_durably
 from stayalive.training.faults import FaultInjector
 from stayalive.training.flusher import Flusher
 from stayalive.training.memory import MemoryTier
 from stayalive.training.state import TrainState, python_rng, rng_tensors
 
 log = structlog.get_logger()
-
-DURABLE = "durable"  # in the generation's store: the newest checkpoint committed whole on storage
 
 
 @dataclass(frozen=True)
@@ -129,6 +112,7 @@ class Checkpointer:
         self.tier = tier
         self.faults = faults
         self.on_commit = on_commit
+        self.commit = Committer(directory, identity.run_id, identity.generation, store, tier, faults)
         self._durable = durable
         self._buffers: dict[str, torch.Tensor] = {}
         self._writer: threading.Thread | None = None
@@ -203,7 +187,7 @@ class Checkpointer:
     def _to_memory(self, name: str, shard: str, tensors: dict[str, torch.Tensor]) -> Path:
         """Serialize into host memory (tmpfs) and send the replica; return the local file."""
         if self.tier is None:  # no tier: serialize next to storage instead
-            path = self.directory / f".{name}.staging" / shard
+            path = self.commit.staging(name) / shard
         else:
             path = memory.memory_path(self.tier.directory, self.identity.run_id, name, shard)
         path.parent.mkdir(parents=self.tier is not None, exist_ok=True)
@@ -221,7 +205,7 @@ class Checkpointer:
         if landing.record is None:
             tmp.mkdir(exist_ok=True)
             shard = shard_filename(self.rank)
-            size, sha256 = _copy_durably(
+            size, sha256 = copy_durably(
                 landing.local,
                 tmp / shard,
                 opened=self.faults.writing_to_storage,
@@ -242,36 +226,15 @@ class Checkpointer:
             landing.commits = self.store.add(f"{landing.name}/written", 1) == self.world_size
             landing.counted = True
         if landing.commits:
-            self._commit(landing, tmp)
+            self._commit(landing)
 
-    def _commit(self, landing: _Landing, tmp: Path) -> None:
-        name, staged = landing.name, landing.staged
+    def _commit(self, landing: _Landing) -> None:
         if landing.manifest is None:
-            landing.manifest = self._manifest(name, staged)
+            landing.manifest = self._manifest(landing.name, landing.staged)
         body = landing.manifest.model_dump_json(indent=1).encode()
-        final = self.directory / name
-        if fenced_out(fence := read_fence(self.directory), self.identity.generation):
-            # The run launched a newer generation without this one (a node cut off and back): its
-            # checkpoint is not the run's. Nothing is committed or announced.
-            log.error("checkpoint fenced out", checkpoint=name, generation=self.identity.generation, fence=fence)
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
-            return
-        if not final.is_dir():  # an attempt that failed after the rename has nothing left to rename
-            write_atomically(tmp / MANIFEST, body, opened=self.faults.writing_to_storage)
-            tmp.rename(final)
-            # Injected damage lands the moment the checkpoint is committed: a rank stopped a little later
-            # (the crash that follows in a test, on a loaded host) must not leave it whole.
-            self.faults.checkpoint_committed(staged.step, final)
-        fsync_dir(self.directory)
-        if self.tier is not None:  # a restore anywhere reads it from memory (training/restore.py)
-            self._keep_manifest(name, body)
-        else:
-            shutil.rmtree(self.directory / f".{name}.staging", ignore_errors=True)
-        self._drop_superseded(staged.step)
-        self.store.set(DURABLE, name)
-        log.info("checkpoint committed", path=str(final))
-        self.on_commit(landing.manifest, final)
+        final = self.commit.commit(landing.name, landing.step, body)
+        if final is not None:
+            self.on_commit(landing.manifest, final)
 
     def _manifest(self, name: str, staged: _Staged) -> Manifest:
         shards = [
@@ -290,50 +253,3 @@ class Checkpointer:
             optimizer_param_groups=staged.param_groups,
             shards=shards,
         ).sealed()
-
-    def _keep_manifest(self, name: str, body: bytes) -> None:
-        """Copies of the committed manifest in this node's tier and its replica's. Copies, not the
-        commit: storage has it. A node's ranks prune its tier after each save of theirs, and with a
-        checkpoint every step one may prune this checkpoint's directory while its manifest lands."""
-        assert self.tier is not None
-        kept = memory.memory_path(self.tier.directory, self.identity.run_id, name, MANIFEST)
-        try:
-            write_atomically(kept, body)
-            if self.tier.replica_hub:
-                memory.put(self.tier.replica_hub, self.tier.token, self.identity.run_id, name, kept)
-        except OSError as exc:
-            log.warning("manifest not kept in memory", checkpoint=name, error=str(exc))
-
-    def _drop_superseded(self, step: int) -> None:
-        """The partial writes of this generation's earlier checkpoints that an outage superseded: every
-        rank counted into this one, and each writes its checkpoints in order, so none will finish them."""
-        for partial in self.directory.glob(f".step-*-g{self.identity.generation}.tmp"):
-            earlier, _ = parse_checkpoint_dirname(partial.name.removeprefix(".").removesuffix(".tmp"))
-            if earlier < step:
-                log.info("superseded checkpoint write removed", path=str(partial))
-                shutil.rmtree(partial, ignore_errors=True)
-
-
-def _copy_durably(
-    source: Path, target: Path, opened: Callable[[BinaryIO], None], halfway: Callable[[BinaryIO], None]
-) -> tuple[int, str]:
-    """Copy to storage under a temporary name, digesting on the way; fsync; rename. Returns size, SHA-256."""
-    digest = hashlib.sha256()
-    tmp = target.with_name(f".{target.name}.tmp")
-    total = source.stat().st_size
-    size = 0
-    crossed = False
-    with open(source, "rb") as src, open(tmp, "wb") as dst:
-        opened(dst)
-        while chunk := src.read(min(1 << 22, max(1, total // 2))):
-            digest.update(chunk)
-            dst.write(chunk)
-            size += len(chunk)
-            if not crossed and size * 2 >= total:
-                crossed = True
-                halfway(dst)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
-    return size, digest.hexdigest()

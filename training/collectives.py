@@ -74,18 +74,44 @@ def stall_next(group: dist.ProcessGroup, counted: bool) -> None:
     _stall = _Stall(group, counted)
 
 
-def all_reduce(tensor: torch.Tensor, site: Site, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-    global _stall
-    group = None
-    counted = True
-    if _stall is not None:
-        group, counted, _stall = _stall.group, _stall.counted, None
+def all_reduce(
+    tensor: torch.Tensor,
+    site: Site,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    group, counted = _stalled_or(group)
     if counted:
         _entered(site)
     # One call site for the healthy collective and the injected stall: faulthandler's frames of a
     # stalled rank are those of its peers, which is the case the counters exist for.
     dist.all_reduce(tensor, op=op, group=group)
     _completed()
+
+
+def ddp_all_reduce(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DistributedDataParallel communication hook: DDP's own averaging all-reduce of each gradient
+    bucket, counted (a user's loop keeps its collective calls; `model.register_comm_hook(group, ...)`)."""
+    target, counted = _stalled_or(group)
+    if counted:
+        _entered(Site.GRADIENTS)
+    buffer = bucket.buffer().div_(dist.get_world_size(group))
+    future = dist.all_reduce(buffer, group=target, async_op=True).get_future()
+
+    def completed(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        _completed()
+        return done.value()[0]
+
+    return future.then(completed)
+
+
+def _stalled_or(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
+    """Where the next all-reduce goes, and whether it counts as entered: `group`, unless a stall is due."""
+    global _stall
+    if _stall is None:
+        return group, True
+    stall, _stall = _stall, None
+    return stall.group, stall.counted
 
 
 def broadcast(tensor: torch.Tensor, src: int, site: Site) -> None:

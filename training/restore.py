@@ -28,7 +28,6 @@ from stayalive.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     Manifest,
-    ShardRecord,
     parse_manifest,
     parse_shard,
     read_manifest,
@@ -57,38 +56,50 @@ def _verified(data: bytes | None, sha256: str) -> bytes | None:
     return data if data is not None and hashlib.sha256(data).hexdigest() == sha256 else None
 
 
-def _from_memory(tier: MemoryTier | None, run_id: str, name: str, shard: ShardRecord) -> bytes | None:
-    """The shard from this node's tier, else from the agents that hold a copy; a bad copy counts as none."""
+def from_memory(
+    tier: MemoryTier | None, run_id: str, name: str, file: str, sha256: str, hubs: list[str]
+) -> bytes | None:
+    """A checkpoint file from this node's tier, else from the agents that hold a copy (`hubs`); a
+    copy that does not match `sha256` counts as none."""
     if tier is None:
         return None
-    if (data := _verified(_local(tier, run_id, name, shard.file), shard.sha256)) is not None:
+    if (data := _verified(_local(tier, run_id, name, file), sha256)) is not None:
         return data
-    for hub in shard.hubs:
+    for hub in hubs:
         if hub == tier.hub:
             continue  # that agent's tier is the directory just read
-        if (data := _verified(memory.fetch(hub, tier.token, run_id, name, shard.file), shard.sha256)) is not None:
+        if (data := _verified(memory.fetch(hub, tier.token, run_id, name, file), sha256)) is not None:
             return data
     return None
 
 
-def _manifest(directory: Path, tier: MemoryTier | None, run_id: str, rank: int, world_size: int) -> Manifest:
-    """From the lowest rank whose node keeps it in memory, to every rank; from storage if none does."""
+def manifest_bytes(
+    directory: Path, tier: MemoryTier | None, run_id: str, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> tuple[bytes, str] | None:
+    """The committed manifest, from the lowest rank whose node keeps it in memory, to every rank of
+    `group` (the default group, or one of every rank), and where it came from; None when no node
+    has it (read it from storage)."""
     data = _local(tier, run_id, directory.name, MANIFEST) if tier is not None else None
     holder = torch.tensor([rank if data is not None else world_size])
-    dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
     source = int(holder)
     if source == world_size:
-        return read_manifest(directory)
+        return None
     sent = data if rank == source else None
     size = torch.tensor([len(sent) if sent is not None else 0])
-    dist.broadcast(size, src=source)
+    dist.broadcast(size, src=source, group=group)
     buffer = (
         torch.frombuffer(bytearray(sent), dtype=torch.uint8)
         if sent is not None
         else torch.empty(int(size), dtype=torch.uint8)
     )
-    dist.broadcast(buffer, src=source)
-    return parse_manifest(buffer.numpy().tobytes(), f"memory copy of {directory.name}/{MANIFEST}")
+    dist.broadcast(buffer, src=source, group=group)
+    return buffer.numpy().tobytes(), f"memory copy of {directory.name}/{MANIFEST}"
+
+
+def _manifest(directory: Path, tier: MemoryTier | None, run_id: str, rank: int, world_size: int) -> Manifest:
+    found = manifest_bytes(directory, tier, run_id, rank, world_size, group=None)
+    return read_manifest(directory) if found is None else parse_manifest(*found)
 
 
 def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: MemoryTier | None) -> Restored:
@@ -96,7 +107,8 @@ def restore(directory: Path, run_id: str, rank: int, world_size: int, tier: Memo
     manifest = _manifest(directory, tier, run_id, rank, world_size)
     shards = {s.rank: s for s in manifest.shards}
     mine = [p for p in range(manifest.world_size) if p % world_size == rank]
-    blobs = {p: _from_memory(tier, run_id, directory.name, shards[p]) for p in mine}
+    name = directory.name
+    blobs = {p: from_memory(tier, run_id, name, shards[p].file, shards[p].sha256, shards[p].hubs) for p in mine}
     in_memory = torch.tensor([int(tier is not None and all(b is not None for b in blobs.values()))])
     collectives.all_reduce(in_memory, Site.RESTORE, op=dist.ReduceOp.MIN)  # all from memory, or all from storage
     source: Source = "memory" if int(in_memory) else "storage"

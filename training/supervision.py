@@ -97,8 +97,17 @@ class Decision:
 class Supervision:
     """One generation's view: this rank, this group, the agent's channel (which outlives generations)."""
 
-    def __init__(self, config: SupervisionConfig, rank: int, world_size: int, channel: AgentChannel | None) -> None:
+    def __init__(
+        self,
+        config: SupervisionConfig,
+        rank: int,
+        world_size: int,
+        channel: AgentChannel | None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """`group`: where ranks agree on a command's payload (None: the default group)."""
         self.config = config
+        self.group = group
         self.rank = rank
         self.world_size = world_size
         self.channel = channel
@@ -165,11 +174,11 @@ class Supervision:
         (the most received); the ranks that have it contribute its (positive) payload of `size`
         values, the rest zeros; the MAX is its."""
         newest = torch.tensor([self._seen[kind]], dtype=torch.int64)
-        collectives.all_reduce(newest, Site.AGREEMENT, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(newest, Site.AGREEMENT, op=dist.ReduceOp.MAX, group=self.group)
         values = torch.zeros(size, dtype=torch.float64)
         if self._seen[kind] == int(newest) and len(payload) == size:
             values[:] = torch.tensor(payload, dtype=torch.float64)
-        collectives.all_reduce(values, Site.AGREEMENT, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(values, Site.AGREEMENT, op=dist.ReduceOp.MAX, group=self.group)
         return [float(v) for v in values]
 
     def await_rejoin(self, timeout: float = 3600.0) -> Rejoin | None:

@@ -1,21 +1,38 @@
 """Test-load checkpoints in a process of their own: `python -m stayalive.training.validate` reads one checkpoint
 directory per line on stdin and answers one JSON verdict per line on stdout.
 
-A separate process, because the load must not borrow anything from the process that wrote it: the
-model is rebuilt from the manifest's config, and every tensor must fit it exactly. A long-lived one,
-because importing torch for every checkpoint would cost more than loading it.
+A separate process, because the load must not borrow anything from the process that wrote it. The
+built-in trainer's checkpoints rebuild the model from the manifest's config, and every tensor must
+fit it exactly. The public API's (DCP, training/dcp_format.py) need no model: every file matches its
+digest, DCP's metadata lists what the manifest recorded, and every tensor reads back with its
+recorded shape and dtype. A long-lived process, because importing torch for every checkpoint would
+cost more than loading it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stayalive.training.checkpoint import CheckpointError, load_checkpoint
+from stayalive.training.checkpoint import MANIFEST, CheckpointError, load_checkpoint
+from stayalive.training.dcp_format import (
+    DCP_METADATA,
+    FORMAT,
+    SafePlanner,
+    SafeReader,
+    load_dcp_metadata,
+    read_dcp_manifest,
+    tensor_entries,
+    verify_files,
+)
 from stayalive.training.gpt import GPT, GPTConfig
 from stayalive.training.state import TrainState
 
@@ -29,16 +46,50 @@ class TestLoad(BaseModel):
 
 def test_load(directory: Path) -> TestLoad:
     try:
+        if _format(directory) == FORMAT:
+            return _test_load_dcp(directory)
         manifest, tensors = load_checkpoint(directory)
         model = GPT(GPTConfig(**manifest.model))
         state = TrainState(model, torch.optim.AdamW(model.parameters()))
         state.restore(manifest, tensors)
-    except (CheckpointError, RuntimeError, ValueError, KeyError, OSError) as exc:
+    except (CheckpointError, dcp.CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
         return TestLoad(ok=False, problems=[str(exc)])
     nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if nonfinite:
         return TestLoad(ok=False, problems=[f"non-finite values in {', '.join(nonfinite[:5])}"], step=manifest.step)
     norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()))
+    return TestLoad(ok=True, param_norm=norm, step=manifest.step)
+
+
+def _format(directory: Path) -> str | None:
+    try:
+        return str(json.loads((directory / MANIFEST).read_bytes()).get("format"))
+    except (OSError, ValueError, AttributeError):
+        return None  # the built-in format's reader says what is wrong with it
+
+
+def _test_load_dcp(directory: Path) -> TestLoad:
+    manifest = read_dcp_manifest(directory)
+    if problems := verify_files(directory, manifest):
+        return TestLoad(ok=False, problems=problems, step=manifest.step)
+    metadata = load_dcp_metadata((directory / DCP_METADATA).read_bytes())
+    if (recorded := tensor_entries(metadata)) != manifest.tensors:
+        differing = sorted(set(manifest.tensors) ^ set(recorded))[:5]
+        problem = f"DCP metadata disagrees with the manifest on {differing}"
+        return TestLoad(ok=False, problems=[problem], step=manifest.step)
+    tensors = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # no_dist=True: DCP warns that it loads in one process, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(directory), planner=SafePlanner(), no_dist=True)
+    nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if nonfinite:
+        return TestLoad(ok=False, problems=[f"non-finite values in {', '.join(nonfinite[:5])}"], step=manifest.step)
+    weights = [t for n, t in tensors.items() if n.startswith("model.") and t.is_floating_point()]
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in weights))
     return TestLoad(ok=True, param_norm=norm, step=manifest.step)
 
 

@@ -1,0 +1,111 @@
+"""A user's own training loop with the public API (`stayalive.Run`, tests/training/api_loop.py) under
+the real workflow: what the built-in trainer survives, it survives."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from temporalio.client import Client
+
+from stayalive.core.run import Cause, RunState
+from stayalive.core.spec import RunSpec
+from stayalive.workflows.run import DrainNode, RunWorkflow
+from tests.helpers import ROOT, rank_pids, start, wait_for_step, wait_until
+
+LOOP = "tests/training/api_loop.py"
+
+
+def loop_spec(checkpoint_root: Path, out: Path, samples: Path, **overrides: object) -> RunSpec:
+    spec: dict[str, object] = {
+        "name": "user-loop",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "spare_nodes": ["n3"],
+        "min_nodes": 2,
+        "entrypoint": ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "30"],
+        "target_step": 40,
+        "checkpoint": {"root": str(checkpoint_root), "interval": "5 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
+
+
+def uninterrupted(tmp_path: Path, steps: int) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], str]]:
+    """The same script and seed, 4 ranks under torchrun with nothing going wrong: its final weights and
+    the samples each rank trained on at each step."""
+    out, samples = tmp_path / "reference.pt", tmp_path / "reference-samples.txt"
+    env = os.environ | {
+        "STAYALIVE_RUN_ID": "reference/00000000",
+        "STAYALIVE_TARGET_STEP": str(steps),
+        "STAYALIVE_CHECKPOINT_DIR": str(tmp_path / "reference-checkpoints"),
+        "STAYALIVE_CHECKPOINT_EVERY_STEPS": "5",
+    }
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", LOOP]
+    subprocess.run([*argv, "--out", str(out), "--samples", str(samples)], env=env, cwd=ROOT, check=True)
+    return torch.load(out, weights_only=True), trained_samples(samples)
+
+
+def trained_samples(path: Path) -> dict[tuple[int, int], str]:
+    """(step, rank) → the samples of the step as it stands: a step trained again after a restart
+    replaces what the lost generation trained at it."""
+    lines = [line.split(" ", 2) for line in path.read_text().splitlines()]
+    return {(int(step), int(rank)): samples for step, rank, samples in lines}
+
+
+async def test_a_killed_rank_resumes_from_host_memory_bitwise_and_no_sample_is_lost_or_repeated(
+    client: Client, tmp_path: Path
+) -> None:
+    out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
+    handle = await start(client, loop_spec(tmp_path / "checkpoints", out, samples), "user-loop-kill")
+    await wait_until(handle, lambda s: any(c.validated and c.step >= 10 for c in s.checkpoints))
+    os.kill((await rank_pids(client, handle))["n2"][3], signal.SIGKILL)
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (crash,) = result.interruptions
+    assert (crash.cause, crash.rank, crash.restored_from) == (Cause.CRASH, 3, "memory")
+    assert crash.resumed_from is not None and crash.resumed_from >= 10
+    weights, reference_samples = uninterrupted(tmp_path, 40)
+    final = torch.load(out, weights_only=True)
+    assert final.keys() == weights.keys()
+    assert all(torch.equal(final[k], weights[k]) for k in final), "final weights differ from an uninterrupted run"
+    assert trained_samples(samples) == reference_samples, "a sample was lost or repeated"
+
+
+async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(client: Client, tmp_path: Path) -> None:
+    faults = [{"kind": "collective_hang", "rank": 3, "at_step": 15}]
+    spec = loop_spec(tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt", faults=faults)
+    result = await (await start(client, spec, "user-loop-hang")).result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (hang,) = result.interruptions
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, "n2", 3)
+    assert re.search(r"rank 3 never entered collective #\d+ \(the gradient all-reduce of step 15\)", hang.detail)
+
+
+async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(client: Client, tmp_path: Path) -> None:
+    spec = loop_spec(
+        tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt", spare_nodes=[], min_nodes=1
+    )
+    handle = await start(client, spec, "user-loop-drain")
+    await wait_for_step(client, handle, 10)
+    await wait_until(handle, lambda s: s.state == RunState.RUNNING)
+    survivors = (await rank_pids(client, handle))["n1"]
+    outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
+    assert "continuing on 1 nodes" in outcome
+    assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors re-executed in place"
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (drain,) = result.interruptions
+    assert drain.cause == Cause.DRAIN and drain.step is not None
+    status = await handle.query(RunWorkflow.status_query)
+    assert status.nodes == ["n1"] and status.world_size == 2
+    steps = trained_samples(tmp_path / "samples.txt")
+    assert {rank for (step, rank) in steps if step > drain.step} == {0, 1}
+    assert max(step for step, _ in steps) == 40

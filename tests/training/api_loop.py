@@ -1,0 +1,96 @@
+"""A user's DDP training loop with the public API's few lines (`stayalive.Run`), for the API's tests.
+
+    torchrun --nproc-per-node 2 tests/training/api_loop.py --out final.pt [--fsdp]
+
+Its data comes from a loader object with `state_dict`/`load_state_dict` (as torchdata's
+StatefulDataLoader has): each rank draws its own samples, so only a restored position repeats none.
+Every step appends `step rank samples` to --samples, and the last step's weights go to --out.
+"""
+
+import argparse
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import stayalive
+
+
+class Loader:
+    """Samples 0..size-1 in an order shuffled per epoch, this rank's stride of them, `batch` at a time."""
+
+    def __init__(self, size: int, batch: int, rank: int, world: int) -> None:
+        self.size, self.batch, self.rank, self.world = size, batch, rank, world
+        self.epoch, self.position = 0, 0
+
+    def next(self) -> list[int]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.epoch))
+        mine = order[self.rank :: self.world].tolist()
+        if self.position + self.batch > len(mine):
+            self.epoch, self.position = self.epoch + 1, 0
+            return self.next()
+        taken = mine[self.position : self.position + self.batch]
+        self.position += self.batch
+        return taken
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--samples", type=Path)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="accelerator time to add to every step")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    inputs = torch.randn(256, 16)
+    targets = inputs.sum(dim=1, keepdim=True)
+    layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model: torch.nn.Module
+    if args.fsdp:
+        for layer in layers:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        model = fully_shard(layers)
+    else:
+        model = DistributedDataParallel(layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = Loader(len(inputs), 8, rank, world)
+
+    run = stayalive.Run(model, optimizer, dataloader=loader, target_step=args.steps)
+    for step in run.steps():
+        samples = loader.next()
+        noise = 0.01 * torch.randn(len(samples), 1) + 0.01 * random.random() + 0.01 * float(np.random.rand())
+        loss = (model(inputs[samples]) - targets[samples] - noise).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        time.sleep(args.step_ms / 1000)
+        run.record(loss, samples=samples)
+        if args.samples is not None:
+            with open(args.samples, "a") as f:
+                f.write(f"{step} {rank} {' '.join(map(str, samples))}\n")
+
+    weights = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in model.state_dict().items()}
+    if rank == 0:
+        torch.save({k.removeprefix("module."): v.detach().clone() for k, v in weights.items()}, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The public training API's checkpoints, with real ranks under torchrun (gloo) and no server: a resume
+is bitwise exact, an FSDP2 state reshards to another world size, and what must not load never does."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stayalive.training import validate
+from stayalive.training.checkpoint import CheckpointError
+from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, read_dcp_manifest
+from tests.helpers import ROOT
+
+LOOP = "tests/training/api_loop.py"
+RUN_ID = "api/0123abcd"
+
+
+def launch(
+    tmp_path: Path, name: str, ranks: int, *flags: str, generation: int = 0, resume: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """The loop of tests/training/api_loop.py to step 20, checkpointing every 5 steps under `tmp_path`."""
+    out = tmp_path / f"{name}.pt"
+    env = os.environ | {
+        "STAYALIVE_RUN_ID": RUN_ID,
+        "STAYALIVE_GENERATION": str(generation),
+        "STAYALIVE_TARGET_STEP": "20",
+        "STAYALIVE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        "STAYALIVE_CHECKPOINT_EVERY_STEPS": "5",
+        "STAYALIVE_RESUME_FROM": str(resume or ""),
+    }
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), LOOP, "--out", str(out)]
+    subprocess.run([*argv, *flags], env=env, cwd=ROOT, check=True, capture_output=True)
+    return torch.load(out, weights_only=True)
+
+
+def checkpoint(tmp_path: Path, step: int, generation: int = 0) -> Path:
+    return tmp_path / "checkpoints" / f"step-{step:08d}-g{generation}"
+
+
+def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.parametrize("flags", [(), ("--fsdp",)], ids=["ddp", "fsdp2"])
+def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    uninterrupted = launch(tmp_path, "uninterrupted", 2, *flags)
+    committed = checkpoint(tmp_path, 10)
+    manifest = read_dcp_manifest(committed)
+    assert (manifest.step, manifest.world_size) == (10, 2)
+    assert validate.test_load(committed).ok
+    resumed = launch(tmp_path, "resumed", 2, *flags, generation=1, resume=committed)
+    assert_equal(resumed, uninterrupted)
+
+
+def test_an_fsdp2_state_resumes_resharded_at_another_world_size(tmp_path: Path) -> None:
+    launch(tmp_path, "wide", 4, "--fsdp")
+    saved = read_dcp_manifest(checkpoint(tmp_path, 10))
+    assert saved.world_size == 4
+    assert any(len(r.files) for r in saved.ranks if r.rank == 3), "every rank wrote its shard"
+    launch(tmp_path, "narrow", 2, "--fsdp", generation=1, resume=checkpoint(tmp_path, 10))
+    # The narrow run's first checkpoint (step 15) holds the wide run's step 10 state trained 5 steps
+    # further: its model keys and shapes are the wide run's, whole.
+    resharded = read_dcp_manifest(checkpoint(tmp_path, 15, generation=1))
+    assert resharded.world_size == 2
+    assert {k: v for k, v in resharded.tensors.items() if k.startswith("model.")} == {
+        k: v for k, v in saved.tensors.items() if k.startswith("model.")
+    }
+    assert validate.test_load(checkpoint(tmp_path, 20, generation=1)).ok
+
+
+def test_a_damaged_file_or_a_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
+    launch(tmp_path, "run", 2)
+    damaged = checkpoint(tmp_path, 10)
+    with open(damaged / "__1_0.distcp", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    verdict = validate.test_load(damaged)
+    assert not verdict.ok and "__1_0.distcp does not match its SHA-256" in verdict.problems[0]
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("true",))
+
+    with pytest.raises(CheckpointError, match=r"names (posix|os)\.system"):
+        load_dcp_metadata(pickle.dumps(Evil()))
+    assert load_dcp_metadata((checkpoint(tmp_path, 15) / DCP_METADATA).read_bytes()).state_dict_metadata

@@ -1,0 +1,371 @@
+"""The public training API: a training loop of the user's own, supervised by stayalive.
+
+    import stayalive
+
+    run = stayalive.Run(model, optimizer, dataloader=loader)   # resumes here when stayalive says so
+    for step in run.steps():                                   # from the resumed step to the target
+        loss = train_step(...)
+        run.record(loss)
+
+`Run` gives the loop what the built-in trainer has: step telemetry through the node agent; commands
+(checkpoint now, hold, exit, a new interval) carried out by every rank at the same agreed step;
+asynchronous DCP checkpoints of the model, optimizer, data loader and every rank's RNG streams,
+committed atomically with digests, kept in host memory with a peer replica, validated by the
+supervisor before any resume, and restored at any world size; and collective counts for a hang's
+culprit (a DistributedDataParallel model's gradient all-reduces are counted through a comm hook).
+
+Ranks agree on commands with one small all-reduce per step on a gloo group of the API's own. A
+held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
+it checkpoints, waits until storage has it, and re-executes itself into the next generation, which
+resumes from that checkpoint, resharded.
+
+Outside stayalive (no STAYALIVE_* environment) `Run` only counts steps, so the same script runs
+under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from stayalive.core.hangs import Site
+from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE
+from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
+from stayalive.training import collectives, memory
+from stayalive.training.channel import AgentChannel
+from stayalive.training.checkpoint import CheckpointError, within_root
+from stayalive.training.commit import Committer
+from stayalive.training.dcp_format import DcpManifest
+from stayalive.training.faults import FaultInjector
+from stayalive.training.logs import configure_logging
+from stayalive.training.rng import rng_state, set_rng_state
+from stayalive.training.state import reseed
+from stayalive.training.state_checkpointer import StateCheckpointer
+from stayalive.training.state_restore import restore_state
+from stayalive.training.supervision import Supervision, SupervisionConfig
+
+log = structlog.get_logger()
+
+
+class Stateful(Protocol):
+    """What a data loader or any other saved object offers (torchdata's StatefulDataLoader does)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+class Run:
+    """One rank's view of a stayalive run; construct it once the model (and optimizer) exist."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        dataloader: Stateful | None = None,
+        state: dict[str, Stateful] | None = None,
+        target_step: int | None = None,
+    ) -> None:
+        """`dataloader`: this rank's position in the data, saved per rank. `state`: more objects the
+        same on every rank (an LR scheduler, say). `target_step`: where `steps()` ends outside
+        stayalive; under stayalive the run spec's `target_step` decides."""
+        self.model, self.optimizer = model, optimizer
+        self.per_rank = {"dataloader": dataloader} if dataloader is not None else {}
+        self.shared = dict(state or {})
+        self.step = 0  # the last step completed (or restored)
+        self._loss: float | None = None
+        self._samples: list[int] = []
+        self._started = 0.0
+        self._compute_s: float | None = None
+        if "STAYALIVE_RUN_ID" not in os.environ:
+            if target_step is None:
+                raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
+            self.config: SupervisionConfig | None = None
+            self.target_step = target_step
+            return
+        self.config = config = SupervisionConfig.from_env()
+        self.target_step = config.target_step
+        if not dist.is_initialized():
+            dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
+        self._watch_from_outside()
+        hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
+        self.channel = AgentChannel(config.agent, hello, config.run_token) if config.agent else None
+        # The API's collectives run on gloo groups of their own, apart from the loop's (NCCL on GPUs):
+        # the command vote on the training thread, DCP's planning on the checkpoint writer's.
+        self.control = dist.new_group(backend="gloo")
+        checkpoint_group = dist.new_group(backend="gloo")
+        self.faults = FaultInjector(config.faults, self.rank, config.generation, self.world_size)
+        self.supervision = Supervision(config, self.rank, self.world_size, self.channel, group=self.control)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            memory.publish_hub(store, self.rank // ranks_per_node, config.agent)
+        tier = config.memory_tier(store, self.rank, self.world_size, ranks_per_node)
+        committer = Committer(
+            config.checkpoint_dir,
+            config.run_id,
+            config.generation,
+            dist.PrefixStore("stayalive/checkpoints", store),
+            tier,
+            self.faults,
+        )
+        resume = self._resume_from(config)
+        self.checkpointer = StateCheckpointer(
+            committer,
+            self.rank,
+            self.world_size,
+            checkpoint_group,
+            config.config_digest,
+            on_commit=self._committed,
+            on_outage=self._outage,
+            durable=resume.name if resume is not None else None,
+        )
+        if resume is not None:
+            self._restore(resume, tier, checkpoint_group)
+        if isinstance(model, DistributedDataParallel):
+            # A lambda: DDP checks a hook's annotations against real classes, and this module's are strings.
+            model.register_comm_hook(None, lambda _, bucket: self._gradient_hook(bucket))
+
+    # -- the loop's side -----------------------------------------------------------------------------
+
+    def steps(self) -> Iterator[int]:
+        """The steps to train, from the one after the restored step to the target. Between two
+        steps every rank carries out the commands it agreed on; after the last (or an exit command),
+        the final checkpoint is on storage before this returns."""
+        for step in range(self.step + 1, self.target_step + 1):
+            self._begin(step)
+            yield step
+            if not self._end(step):
+                break
+        self._finish()
+
+    def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
+        """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
+        value = float(loss) if loss is not None else math.nan
+        self._loss = value if math.isfinite(value) else None
+        self._samples = list(samples or [])
+
+    def checkpoint(self) -> None:
+        """Save now (every rank at the same step, as with any collective)."""
+        if self.config is not None:
+            self.checkpointer.save(self.step, self._state())
+
+    # -- between steps -------------------------------------------------------------------------------
+
+    def _begin(self, step: int) -> None:
+        structlog.contextvars.bind_contextvars(step=step)
+        collectives.at_step(step)
+        self._loss, self._samples, self._compute_s = None, [], None
+        self._started = time.perf_counter()
+
+    def _before_collectives(self) -> float:
+        """Once per step, where its first collective begins: the compute time the straggler checks
+        compare, and where a dying, hanging or slow GPU shows (fault injection)."""
+        if self._compute_s is None:
+            self._compute_s = time.perf_counter() - self._started
+            self.faults.before_collective(self.step + 1, self._compute_s)
+        return self._compute_s
+
+    def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self._before_collectives()
+        return collectives.ddp_all_reduce(None, bucket)
+
+    def _end(self, step: int) -> bool:
+        """After the loop's step: report it, agree on commands, carry them out. False: stop."""
+        if self.config is None:
+            self.step = step
+            return True
+        compute_s = self._before_collectives()
+        votes = self.supervision.votes().clone()
+        collectives.all_reduce(votes, Site.CONTROL, group=self.control)
+        decision = self.supervision.decide(step, votes)
+        self.step = step
+        self._report(
+            StepReport(
+                rank=self.rank,
+                generation=self.config.generation,
+                step=step,
+                compute_s=compute_s,
+                step_s=time.perf_counter() - self._started,
+                loss=self._loss,
+                samples=self._samples,
+                at=time.time(),
+            )
+        )
+        if decision.speeds is not None:
+            log.warning("rebalance ignored: a user's loop decides its own batch split")
+        if decision.checkpoint:
+            self.checkpointer.save(step, self._state())
+        if decision.hold:
+            self._hold()
+        return not decision.stop
+
+    def _finish(self) -> None:
+        if self.config is None:
+            return
+        self._report(Finished(rank=self.rank, generation=self.config.generation, step=self.step))
+        self.checkpointer.wait()
+        if self.channel is not None:
+            self.channel.close()
+
+    def _hold(self) -> None:
+        """Held at an agreed step: the checkpoint just saved reaches storage, then this process either
+        leaves or re-executes itself into the next generation, which resumes from that checkpoint."""
+        assert self.config is not None
+        self.checkpointer.wait()
+        held = self.config.checkpoint_dir / str(self.checkpointer.durable())
+        self._report(Held(rank=self.rank, generation=self.config.generation, step=self.step))
+        rejoin = self.supervision.await_rejoin()
+        if self.channel is not None:
+            self.channel.close()
+        if rejoin is None:
+            log.info("leaving the group", step=self.step)
+            raise SystemExit(0)
+        env = os.environ | rejoin.env | {"STAYALIVE_RESUME_FROM": str(held)}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        argv = _relaunch_argv()
+        log.info("rejoining as a new process", checkpoint=held.name, rank=rejoin.env.get("RANK"))
+        os.execve(argv[0], argv, env)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds: the model and optimizer (DCP state dicts: sharded for FSDP2), the
+        shared objects, and this rank's own (RNG, data position) as one opaque value, which other
+        world sizes neither need nor could reshard."""
+        state: dict[str, Any] = {}
+        if self.optimizer is not None:
+            state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
+        else:
+            state["model"] = get_model_state_dict(self.model)
+        state |= {f"state/{name}": obj.state_dict() for name, obj in self.shared.items()}
+        mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in self.per_rank.items()}
+        buffer = io.BytesIO()
+        torch.save(mine, buffer)
+        state[f"ranks/{self.rank}"] = buffer.getvalue()
+        return state
+
+    def _resume_from(self, config: SupervisionConfig) -> Path | None:
+        """The checkpoint to resume from. A generation with newcomers (STATE_FROM_RANK0) resumes from
+        the one its survivors held at, which only they know: the lowest that knows it tells all."""
+        known = str(config.resume_from or "").encode()
+        if config.state_from_rank0:
+            lengths = torch.zeros(self.world_size, dtype=torch.int64)
+            lengths[self.rank] = len(known)
+            dist.all_reduce(lengths, group=self.control)
+            source = next((r for r in range(self.world_size) if lengths[r] > 0), None)
+            if source is not None:
+                buffer = torch.zeros(int(lengths[source]), dtype=torch.uint8)
+                if self.rank == source:
+                    buffer[:] = torch.frombuffer(bytearray(known), dtype=torch.uint8)
+                dist.broadcast(buffer, src=source, group=self.control)
+                known = buffer.numpy().tobytes()
+        return Path(known.decode()) if known else None
+
+    def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup) -> None:
+        assert self.config is not None
+        mine = f"ranks/{self.rank}"
+
+        def state_for(manifest: DcpManifest) -> dict[str, Any]:
+            """The state as it is now, for DCP to load into (this rank's own part only if it was saved)."""
+            current = self._state()
+            return current if self.rank < manifest.world_size else {k: v for k, v in current.items() if k != mine}
+
+        try:
+            directory = within_root(self.config.checkpoint_dir, resume)
+            restored = restore_state(directory, self.config.run_id, self.rank, self.world_size, tier, group, state_for)
+        except CheckpointError as exc:
+            log.error("cannot resume", checkpoint=str(resume), error=str(exc))
+            sys.exit(EXIT_CHECKPOINT_UNUSABLE)
+        loaded = restored.state
+        if self.optimizer is not None:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+            )
+        else:
+            set_model_state_dict(self.model, loaded["model"])
+        for name, obj in self.shared.items():
+            obj.load_state_dict(loaded[f"state/{name}"])
+        self.step = restored.manifest.step
+        if mine in loaded:
+            own = torch.load(io.BytesIO(loaded[mine]), weights_only=True)
+            set_rng_state(own.pop("rng"))
+            for name, obj in self.per_rank.items():
+                obj.load_state_dict(own[name])
+        else:  # a rank the checkpoint did not have: fresh streams, from where its data begins
+            reseed(self.step, self.rank)
+        self._report(
+            Resumed(
+                rank=self.rank,
+                generation=self.config.generation,
+                step=self.step,
+                source=restored.source,
+                seconds=restored.seconds,
+            )
+        )
+
+    # -- reports -------------------------------------------------------------------------------------
+
+    def _report(self, message: Any) -> None:
+        if self.channel is not None:
+            self.channel.send(message)
+
+    def _committed(self, manifest: DcpManifest, path: Path) -> None:
+        assert self.config is not None
+        self._report(
+            CheckpointCommitted(
+                rank=self.rank,
+                generation=self.config.generation,
+                step=manifest.step,
+                path=str(path),
+                blocking_s=manifest.blocking_s,
+                last_verified_step=manifest.last_verified_step,
+                at=time.time(),
+            )
+        )
+
+    def _outage(self, step: int, since: float, error: OSError) -> None:
+        assert self.config is not None
+        generation, why = self.config.generation, str(error)
+        self._report(StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why))
+
+    def _watch_from_outside(self) -> None:
+        """What the node agent reads when this rank stops answering: its stacks and collective counts."""
+        if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
+            self._stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
+            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
+        if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):
+            collectives.track(Path(progress_file))
+        assert self.config is not None
+        collectives.begin(self.config.generation)
+
+
+def _relaunch_argv() -> list[str]:
+    """This process's command line, to execute again: `python -m module …` or `python script …`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name != "__main__":
+        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    return [sys.executable, *sys.argv]

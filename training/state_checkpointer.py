@@ -1,0 +1,192 @@
+"""Asynchronous checkpoints of any state dict, through `torch.distributed.checkpoint` (DCP).
+
+step N ─ stage: copy the state into CPU buffers kept from the last save    (blocking: Young/Daly's `C`)
+         └ writer thread: dcp.save → this node's host-memory tier           (DCP's files, its plan)
+                          each file → the replica's node                    (seed R1)
+           └ storage thread (training/flusher.py), retried while storage is away:
+                          each file → storage, fsynced, digested, then the commit (training/commit.py)
+
+The same pipeline as the built-in trainer's (training/checkpointer.py), with DCP in the place of the
+flat safetensors shards: DCP brings FSDP2's DTensors and loading at another world size; the manifest
+(training/dcp_format.py) brings digests, the atomic commit and the memory tier's addresses.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import StateDictStager
+
+from stayalive.training import memory
+from stayalive.training.checkpoint import checkpoint_dirname
+from stayalive.training.commit import DURABLE, Committer, copy_durably
+from stayalive.training.dcp_format import (
+    DCP_METADATA,
+    DcpManifest,
+    FileRecord,
+    RankRecord,
+    load_dcp_metadata,
+    tensor_entries,
+)
+from stayalive.training.flusher import Flusher
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _Landing:
+    """One checkpoint on its way to storage (in host memory already), and how far its write got."""
+
+    name: str
+    step: int
+    last_verified: int
+    blocking_s: float
+    local: Path  # the directory that holds this rank's files in host memory
+    files: list[str]
+    record: RankRecord | None = None  # this rank's files are on storage
+    counted: bool = False  # its record is in the store and counts towards the commit
+    commits: bool = False  # this rank counted in last: it writes the manifest
+    manifest: DcpManifest | None = None  # built once, so every attempt writes the same bytes
+
+
+class StateCheckpointer:
+    def __init__(
+        self,
+        committer: Committer,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup,
+        config_digest: str,
+        on_commit: Callable[[DcpManifest, Path], None],
+        on_outage: Callable[[int, float, OSError], None],
+        durable: str | None,
+    ) -> None:
+        """`group`: a gloo group of every rank, for DCP's planning on the writer thread (never the
+        training loop's group, whose collectives the writer would interleave with). `durable`: as
+        for training/checkpointer.py, the newest checkpoint known whole on storage."""
+        self.commit = committer
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.config_digest = config_digest
+        self.on_commit = on_commit
+        self._durable = durable
+        # Keeps the CPU copies between saves: after the first, a save copies into them (pinned on a GPU host).
+        self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.flusher: Flusher[_Landing] = Flusher(
+            self._land, lambda landing, since, error: on_outage(landing.step, since, error)
+        )
+        if durable is None:
+            committer.directory.mkdir(parents=True, exist_ok=True)
+
+    def save(self, step: int, state: dict[str, Any], last_verified: int = 0) -> float:
+        """Stage `state` (every rank calls this at the same step) and return the seconds it blocked."""
+        started = time.perf_counter()
+        self._in_memory()
+        staged = self._stager.stage(state)
+        blocking = time.perf_counter() - started
+        self._writer = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._persist, step, last_verified, blocking, staged),
+            name="stayalive-checkpoint-writer",
+        )
+        self._writer.start()
+        return blocking
+
+    def wait(self) -> None:
+        """Until every checkpoint saved is on storage: however long storage is away."""
+        self._in_memory()
+        self.flusher.drain()
+
+    def durable(self) -> str | None:
+        if self.commit.store.check([DURABLE]):
+            self._durable = self.commit.store.get(DURABLE).decode()
+        return self._durable
+
+    def _in_memory(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        self.flusher.check()
+
+    def _persist(self, step: int, last_verified: int, blocking: float, staged: dict[str, Any]) -> None:
+        name = checkpoint_dirname(step, self.commit.generation)
+        tier = self.commit.tier
+        local = self.commit.staging(name) if tier is None else tier.directory / self.commit.run_id / name
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+            dcp.save(staged, storage_writer=dcp.FileSystemWriter(local, sync_files=False), process_group=self.group)
+            files = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp"))
+            if self.rank == 0:
+                files.append(DCP_METADATA)
+            if tier is not None:
+                memory.prune(tier.directory, self.commit.run_id, also=[self.durable(), *self.flusher.in_flight()])
+                if tier.replica_hub:
+                    for file in files:
+                        memory.put(tier.replica_hub, tier.token, self.commit.run_id, name, local / file)
+        except BaseException as exc:  # surfaces on the training thread at the next save or wait
+            log.error("checkpoint write failed", step=step, error=str(exc))
+            self._error = exc
+            return
+        self.flusher.submit(_Landing(name, step, last_verified, blocking, local, files))
+
+    def _land(self, landing: _Landing) -> None:
+        """Storage's copy of `landing`, from where its last attempt stopped. Raises OSError while storage fails."""
+        tmp = self.commit.directory / f".{landing.name}.tmp"
+        faults = self.commit.faults
+        if landing.record is None:
+            tmp.mkdir(exist_ok=True)
+            records = []
+            for file in landing.files:
+                size, sha256 = copy_durably(
+                    landing.local / file,
+                    tmp / file,
+                    opened=faults.writing_to_storage,
+                    halfway=lambda f: faults.checkpoint_writing(landing.step, self.commit.directory, f),
+                )
+                hubs = [] if self.commit.tier is None else self.commit.tier.holders
+                records.append(FileRecord(file=file, rank=self.rank, size=size, sha256=sha256, hubs=hubs))
+            landing.record = RankRecord(rank=self.rank, files=records, blocking_s=landing.blocking_s)
+        store = self.commit.store
+        if not landing.counted:
+            store.set(f"{landing.name}/rank/{self.rank}", landing.record.model_dump_json())
+            landing.commits = store.add(f"{landing.name}/written", 1) == self.world_size
+            landing.counted = True
+        if landing.commits:
+            if landing.manifest is None:
+                landing.manifest = self._manifest(landing, tmp)
+            final = self.commit.commit(landing.name, landing.step, landing.manifest.model_dump_json(indent=1).encode())
+            if final is not None:
+                self.on_commit(landing.manifest, final)
+
+    def _manifest(self, landing: _Landing, tmp: Path) -> DcpManifest:
+        ranks = [
+            RankRecord.model_validate_json(self.commit.store.get(f"{landing.name}/rank/{rank}"))
+            for rank in range(self.world_size)
+        ]
+        return DcpManifest(
+            run_id=self.commit.run_id,
+            step=landing.step,
+            generation=self.commit.generation,
+            world_size=self.world_size,
+            config_digest=self.config_digest,
+            created_at=time.time(),
+            last_verified_step=landing.last_verified,
+            tensors=tensor_entries(load_dcp_metadata((tmp / DCP_METADATA).read_bytes())),
+            ranks=ranks,
+        ).sealed()

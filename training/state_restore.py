@@ -1,0 +1,96 @@
+"""Restore a DCP checkpoint (training/dcp_format.py) into any world size, host memory first.
+
+Every rank gathers the whole checkpoint in its node's host-memory tier: the files its node already
+holds, the rest from the agents the manifest lists for them (their writer's and its replica's), each
+checked against its SHA-256. Only when some rank cannot gather every file does the whole group read
+from storage, after checking every digest there. DCP then reads from that directory whatever chunks
+this rank's (possibly resharded) state needs, with `SafeReader`/`SafePlanner`: nothing is unpickled
+that could run code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from stayalive.core.hangs import Site
+from stayalive.training import collectives, memory
+from stayalive.training.checkpoint import CheckpointError, write_atomically
+from stayalive.training.dcp_format import (
+    DcpManifest,
+    SafePlanner,
+    SafeReader,
+    parse_dcp_manifest,
+    read_dcp_manifest,
+    verify_files,
+)
+from stayalive.training.memory import MemoryTier
+from stayalive.training.restore import Source, from_memory, manifest_bytes
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    manifest: DcpManifest
+    state: dict[str, Any]  # what `state_for` gave, loaded: DCP sets non-tensor values in it, not in place
+    source: Source
+    seconds: float
+
+
+def _gathered(tier: MemoryTier | None, run_id: str, directory: Path, manifest: DcpManifest) -> Path | None:
+    """This node's tier directory of the checkpoint, completed with every file the manifest lists;
+    None when some file is in no tier (or matches no digest)."""
+    if tier is None:
+        return None
+    for record in manifest.files():
+        local = memory.memory_path(tier.directory, run_id, directory.name, record.file)
+        if local.is_file() and local.stat().st_size == record.size:
+            continue  # written on this node: its digest is checked below, with the fetched ones
+        data = from_memory(tier, run_id, directory.name, record.file, record.sha256, record.hubs)
+        if data is None:
+            return None
+        local.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(local, data)  # ranks of a node may fetch the same file: each lands whole
+    gathered = memory.memory_path(tier.directory, run_id, directory.name, manifest.files()[0].file).parent
+    return gathered if not verify_files(gathered, manifest) else None
+
+
+def restore_state(
+    directory: Path,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    tier: MemoryTier | None,
+    group: dist.ProcessGroup,
+    state_for: Callable[[DcpManifest], dict[str, Any]],
+) -> RestoredState:
+    """Load the checkpoint at `directory` in place into `state_for(manifest)` (every rank of `group`,
+    which is every rank, calls this); raise CheckpointError for a checkpoint that must not be used."""
+    started = time.perf_counter()
+    found = manifest_bytes(directory, tier, run_id, rank, world_size, group)
+    manifest = read_dcp_manifest(directory) if found is None else parse_dcp_manifest(*found)
+    if manifest.run_id != run_id:
+        raise CheckpointError(f"{directory.name} is run {manifest.run_id}'s, not {run_id}'s: resume from this run's")
+    gathered = _gathered(tier, run_id, directory, manifest)
+    in_memory = torch.tensor([int(gathered is not None)])
+    collectives.all_reduce(in_memory, Site.RESTORE, op=dist.ReduceOp.MIN, group=group)
+    source: Source = "memory" if int(in_memory) else "storage"
+    if source == "storage":
+        if problems := verify_files(directory, manifest):
+            raise CheckpointError(f"{directory.name}: " + "; ".join(problems))
+        gathered = directory
+    assert gathered is not None
+    state = state_for(manifest)
+    dcp.load(state, storage_reader=SafeReader(gathered), planner=SafePlanner(), process_group=group)
+    seconds = time.perf_counter() - started
+    log.info("restored", checkpoint=directory.name, source=source, seconds=round(seconds, 3))
+    return RestoredState(manifest=manifest, state=state, source=source, seconds=seconds)
