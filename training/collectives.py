@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,18 +90,45 @@ def all_reduce(
     _completed()
 
 
-def ddp_all_reduce(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DistributedDataParallel communication hook: DDP's own averaging all-reduce of each gradient
-    bucket, counted (a user's loop keeps its collective calls; `model.register_comm_hook(group, ...)`)."""
+def ddp_all_reduce(
+    group: dist.ProcessGroup | None,
+    bucket: dist.GradBucket,
+    rider: torch.Tensor | None = None,
+    arrived: Callable[[torch.Tensor], None] = lambda _: None,
+    per_tensor: bool = False,
+) -> torch.futures.Future[torch.Tensor]:
+    """A DistributedDataParallel communication hook's body: DDP's own averaging all-reduce of a
+    gradient bucket, counted (the user's loop keeps its collective calls). A `rider` (the step's
+    command vote) is summed in the same all-reduce, and `arrived` gets the sum: no collective of its own.
+    `per_tensor`: sum each gradient on its own first, in an order that does not depend on the bucket."""
     target, counted = _stalled_or(group)
     if counted:
         _entered(Site.GRADIENTS)
-    buffer = bucket.buffer().div_(dist.get_world_size(group))
-    future = dist.all_reduce(buffer, group=target, async_op=True).get_future()
+    gradients = bucket.buffer().div_(dist.get_world_size(group))
+    if per_tensor:
+        # Each gradient at offset 0 of an all-reduce of its own (they are views into the bucket): a
+        # ring all-reduce sums an element in an order that depends on its offset, and DDP buckets a
+        # process's first step (a resumed one's) differently from its later ones.
+        summed = rider.clone() if rider is not None else None
+        tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
+        for work in [dist.all_reduce(t, group=target, async_op=True) for t in tensors]:
+            work.wait()
+        _completed()
+        if summed is not None:
+            arrived(summed)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(gradients)
+        return done
+    flat = gradients if rider is None else torch.cat([gradients, rider.to(gradients.dtype)])
+    future = dist.all_reduce(flat, group=target, async_op=True).get_future()
 
     def completed(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         _completed()
-        return done.value()[0]
+        (reduced,) = done.value()
+        if rider is None:
+            return reduced
+        arrived(reduced[gradients.numel() :].to(rider.dtype))
+        return reduced[: gradients.numel()]
 
     return future.then(completed)
 

@@ -28,6 +28,11 @@ log = structlog.get_logger()
 DURABLE = "durable"  # in the generation's store: the newest checkpoint committed whole on storage
 
 
+def committed_key(name: str) -> str:
+    """In the generation's store once checkpoint `name` is committed (by whichever rank counted in last)."""
+    return f"{name}/committed"
+
+
 def copy_durably(
     source: Path,
     target: Path,
@@ -95,6 +100,7 @@ class Committer:
             shutil.rmtree(self.staging(name), ignore_errors=True)
         self._drop_superseded(step)
         self.store.set(DURABLE, name)
+        self.store.set(committed_key(name), name)
         log.info("checkpoint committed", path=str(final))
         return final
 

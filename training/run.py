@@ -14,8 +14,9 @@ committed atomically with digests, kept in host memory with a peer replica, vali
 supervisor before any resume, and restored at any world size; and collective counts for a hang's
 culprit (a DistributedDataParallel model's gradient all-reduces are counted through a comm hook).
 
-Ranks agree on commands with one small all-reduce per step on a gloo group of the API's own. A
-held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
+Ranks agree on commands by summing their votes: in the step's first DDP gradient all-reduce, which
+costs no collective, or else (FSDP2, no DDP) in one small all-reduce on a gloo group of the API's
+own. A held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
 it checkpoints, waits until storage has it, and re-executes itself into the next generation, which
 resumes from that checkpoint, resharded.
 
@@ -85,10 +86,15 @@ class Run:
         dataloader: Stateful | None = None,
         state: dict[str, Stateful] | None = None,
         target_step: int | None = None,
+        exact_resume: bool = False,
     ) -> None:
         """`dataloader`: this rank's position in the data, saved per rank. `state`: more objects the
         same on every rank (an LR scheduler, say). `target_step`: where `steps()` ends outside
-        stayalive; under stayalive the run spec's `target_step` decides."""
+        stayalive; under stayalive the run spec's `target_step` decides. `exact_resume`: a DDP
+        model's gradients are summed one tensor per all-reduce, so a resumed run ends bitwise equal
+        to an uninterrupted one at any width (DDP's bucket layout changes after a process's first
+        step, and with it a ring all-reduce's summation order); it costs a collective per tensor."""
+        self.exact_resume = exact_resume
         self.model, self.optimizer = model, optimizer
         self.per_rank = {"dataloader": dataloader} if dataloader is not None else {}
         self.shared = dict(state or {})
@@ -97,6 +103,8 @@ class Run:
         self._samples: list[int] = []
         self._started = 0.0
         self._compute_s: float | None = None
+        self._votes: torch.Tensor | None = None  # every rank's vote, summed, once this step's has ridden a bucket
+        self._vote_sent = False
         if "STAYALIVE_RUN_ID" not in os.environ:
             if target_step is None:
                 raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
@@ -163,14 +171,13 @@ class Run:
 
     def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
         """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
-        value = float(loss) if loss is not None else math.nan
+        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self._loss = value if math.isfinite(value) else None
         self._samples = list(samples or [])
 
-    def checkpoint(self) -> None:
-        """Save now (every rank at the same step, as with any collective)."""
-        if self.config is not None:
-            self.checkpointer.save(self.step, self._state())
+    def checkpoint(self) -> float:
+        """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
+        return self.checkpointer.save(self.step, self._state()) if self.config is not None else 0.0
 
     # -- between steps -------------------------------------------------------------------------------
 
@@ -178,6 +185,7 @@ class Run:
         structlog.contextvars.bind_contextvars(step=step)
         collectives.at_step(step)
         self._loss, self._samples, self._compute_s = None, [], None
+        self._votes, self._vote_sent = None, False
         self._started = time.perf_counter()
 
     def _before_collectives(self) -> float:
@@ -189,8 +197,17 @@ class Run:
         return self._compute_s
 
     def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Each gradient bucket's all-reduce, counted; the step's first (of a float32/64 gradient,
+        which counts exactly) carries the command vote."""
         self._before_collectives()
-        return collectives.ddp_all_reduce(None, bucket)
+        if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
+            return collectives.ddp_all_reduce(None, bucket, per_tensor=self.exact_resume)
+        self._vote_sent = True
+        votes = self.supervision.votes()
+        return collectives.ddp_all_reduce(None, bucket, votes, self._votes_arrived, per_tensor=self.exact_resume)
+
+    def _votes_arrived(self, votes: torch.Tensor) -> None:
+        self._votes = votes
 
     def _end(self, step: int) -> bool:
         """After the loop's step: report it, agree on commands, carry them out. False: stop."""
@@ -198,8 +215,10 @@ class Run:
             self.step = step
             return True
         compute_s = self._before_collectives()
-        votes = self.supervision.votes().clone()
-        collectives.all_reduce(votes, Site.CONTROL, group=self.control)
+        votes = self._votes
+        if votes is None:  # no DDP bucket carried it (FSDP2, a loop without DDP): a small all-reduce of its own
+            votes = self.supervision.votes().clone()
+            collectives.all_reduce(votes, Site.CONTROL, group=self.control)
         decision = self.supervision.decide(step, votes)
         self.step = step
         self._report(
@@ -234,8 +253,7 @@ class Run:
         """Held at an agreed step: the checkpoint just saved reaches storage, then this process either
         leaves or re-executes itself into the next generation, which resumes from that checkpoint."""
         assert self.config is not None
-        self.checkpointer.wait()
-        held = self.config.checkpoint_dir / str(self.checkpointer.durable())
+        held = self.config.checkpoint_dir / self.checkpointer.wait_committed(self.step)
         self._report(Held(rank=self.rank, generation=self.config.generation, step=self.step))
         rejoin = self.supervision.await_rejoin()
         if self.channel is not None:
@@ -269,21 +287,24 @@ class Run:
         return state
 
     def _resume_from(self, config: SupervisionConfig) -> Path | None:
-        """The checkpoint to resume from. A generation with newcomers (STATE_FROM_RANK0) resumes from
-        the one its survivors held at, which only they know: the lowest that knows it tells all."""
+        """The checkpoint every rank resumes from: the one the lowest rank that names one names. After
+        a hold only the survivors know it (the workflow names none for a generation they rejoin), and
+        newcomers (a spare) know nothing."""
         known = str(config.resume_from or "").encode()
-        if config.state_from_rank0:
-            lengths = torch.zeros(self.world_size, dtype=torch.int64)
-            lengths[self.rank] = len(known)
-            dist.all_reduce(lengths, group=self.control)
-            source = next((r for r in range(self.world_size) if lengths[r] > 0), None)
-            if source is not None:
-                buffer = torch.zeros(int(lengths[source]), dtype=torch.uint8)
-                if self.rank == source:
-                    buffer[:] = torch.frombuffer(bytearray(known), dtype=torch.uint8)
-                dist.broadcast(buffer, src=source, group=self.control)
-                known = buffer.numpy().tobytes()
-        return Path(known.decode()) if known else None
+        lengths = torch.zeros(self.world_size, dtype=torch.int64)
+        lengths[self.rank] = len(known)
+        dist.all_reduce(lengths, group=self.control)
+        source = next((r for r in range(self.world_size) if lengths[r] > 0), None)
+        if source is None:
+            return None
+        buffer = torch.zeros(int(lengths[source]), dtype=torch.uint8)
+        if self.rank == source:
+            buffer[:] = torch.frombuffer(bytearray(known), dtype=torch.uint8)
+        dist.broadcast(buffer, src=source, group=self.control)
+        agreed = buffer.numpy().tobytes()
+        if known and known != agreed:
+            log.warning("resuming from the group's checkpoint, not this rank's", own=known.decode())
+        return Path(agreed.decode())
 
     def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup) -> None:
         assert self.config is not None
@@ -355,6 +376,7 @@ class Run:
     def _watch_from_outside(self) -> None:
         """What the node agent reads when this rank stops answering: its stacks and collective counts."""
         if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
+            Path(stack_file).parent.mkdir(parents=True, exist_ok=True)  # a rejoined rank's generation is new
             self._stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
             faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
         if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import StateDictStager
 
 from stayalive.training import memory
 from stayalive.training.checkpoint import checkpoint_dirname
-from stayalive.training.commit import DURABLE, Committer, copy_durably
+from stayalive.training.commit import DURABLE, Committer, committed_key, copy_durably
 from stayalive.training.dcp_format import (
     DCP_METADATA,
     DcpManifest,
@@ -109,6 +109,14 @@ class StateCheckpointer:
         """Until every checkpoint saved is on storage: however long storage is away."""
         self._in_memory()
         self.flusher.drain()
+
+    def wait_committed(self, step: int) -> str:
+        """Until every rank's share of the checkpoint of `step` is on storage and one rank committed it
+        (this rank's wait() covers only its own share); its name."""
+        self.wait()
+        name = checkpoint_dirname(step, self.commit.generation)
+        self.commit.store.wait([committed_key(name)])
+        return name
 
     def durable(self) -> str | None:
         if self.commit.store.check([DURABLE]):

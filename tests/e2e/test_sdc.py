@@ -109,4 +109,5 @@ async def test_a_nan_loss_and_a_gradient_spike_skip_their_update_without_touchin
 
     for skipped in (8, 30):
         assert_bitwise_equal(weights(skipped), weights(skipped - 1))
-    assert any(not torch.equal(a, b) for a, b in zip(weights(9).values(), weights(8).values(), strict=True))
+    after = min(step for step in paths if step > 8)  # on a loaded host a newer write may supersede step 9's
+    assert any(not torch.equal(a, b) for a, b in zip(weights(after).values(), weights(8).values(), strict=True))

@@ -56,8 +56,11 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1: the same reduction order under any launcher
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
+    random.seed(rank)
+    np.random.seed(rank)
     inputs = torch.randn(256, 16)
     targets = inputs.sum(dim=1, keepdim=True)
     layers = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -66,13 +69,14 @@ def main() -> None:
         for layer in layers:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
-        model = fully_shard(layers)
+        fully_shard(layers)
+        model = layers
     else:
         model = DistributedDataParallel(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = Loader(len(inputs), 8, rank, world)
 
-    run = stayalive.Run(model, optimizer, dataloader=loader, target_step=args.steps)
+    run = stayalive.Run(model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=True)
     for step in run.steps():
         samples = loader.next()
         noise = 0.01 * torch.randn(len(samples), 1) + 0.01 * random.random() + 0.01 * float(np.random.rand())
