@@ -105,11 +105,16 @@ test_loader = _Loader()
 
 
 async def validate(
-    root: str, path: str, reference: CheckpointRecord | None, heartbeat: Callable[[], None]
+    root: str,
+    path: str,
+    reference: CheckpointRecord | None,
+    heartbeat: Callable[[], None],
+    validation: list[str] | None = None,
 ) -> Verdict | None:
-    """All shards present, digests match, a test load in another process, norms within the run's band.
-    None while storage is away (the run's directory is unreachable): no verdict, try again later. A
-    checkpoint judged invalid because storage could not be read would never be resumed from."""
+    """All shards present, digests match, a test load in another process, norms within the run's band,
+    then the user's own check (`validation`, CheckpointSpec.validation), if any. None while storage is
+    away (the run's directory is unreachable): no verdict, try again later. A checkpoint judged invalid
+    because storage could not be read would never be resumed from."""
     try:
         directory = within_root(root, path)
     except CheckpointError as exc:
@@ -124,7 +129,30 @@ async def validate(
     history = [reference] if reference is not None else []
     if result.param_norm is not None and (problem := norm_problem(result.param_norm, history)):
         return Verdict(validated=False, reason=problem, param_norm=result.param_norm)
-    return Verdict(validated=True, reason="shards, digests, test load and norms ok", param_norm=result.param_norm)
+    if validation and (rejected := await users_check(validation, directory, heartbeat)) is not None:
+        return Verdict(validated=False, reason=rejected, param_norm=result.param_norm)
+    passed = "shards, digests, test load, norms" + (" and the run's own check" if validation else "") + " ok"
+    return Verdict(validated=True, reason=passed, param_norm=result.param_norm)
+
+
+async def users_check(argv: list[str], directory: Path, heartbeat: Callable[[], None]) -> str | None:
+    """Run the spec's validation entry point on `directory`; None if it exits 0, else why it rejected."""
+    command = [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *command, str(directory), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+    except OSError as exc:
+        return f"the run's own check could not start ({exc}): fix checkpoint.validation"
+    done = asyncio.ensure_future(process.communicate())
+    while not done.done():
+        heartbeat()
+        await asyncio.wait([done], timeout=2.0)
+    _, stderr = done.result()
+    if process.returncode == 0:
+        return None
+    lines = stderr.decode(errors="replace").strip().splitlines()
+    return f"the run's own check rejected it (exit {process.returncode}): {lines[-1] if lines else 'no reason given'}"
 
 
 def _fenced(directory: Path) -> str | None:
@@ -228,7 +256,8 @@ async def keep_checkpoints(
         while True:
             record = await streams.next(timeout=1.0)
             if record is not None and isinstance(message := record.message, CheckpointCommitted):
-                checkpoint = await judge(input.run_id, keeper.root, message, shelf.reference(), beat)
+                reference = shelf.reference()
+                checkpoint = await judge(input.run_id, keeper.root, message, reference, beat, keeper.validation)
                 deleted = await asyncio.to_thread(_delete, keeper.root, [c.path for c in shelf.add(checkpoint)])
                 shelf.forget(deleted)
                 if not await handover.deliver(
@@ -240,10 +269,15 @@ async def keep_checkpoints(
 
 
 async def judge(
-    run_id: str, root: str, message: CheckpointCommitted, reference: CheckpointRecord | None, beat: Heartbeat
+    run_id: str,
+    root: str,
+    message: CheckpointCommitted,
+    reference: CheckpointRecord | None,
+    beat: Heartbeat,
+    validation: list[str],
 ) -> CheckpointRecord:
     """Validate a committed checkpoint, waiting as long as storage is away (the watch loop heartbeats)."""
-    while (verdict := await validate(root, message.path, reference, beat)) is None:
+    while (verdict := await validate(root, message.path, reference, beat, validation)) is None:
         log.warning("checkpoint storage unreachable: the verdict waits for it", run_id=run_id, step=message.step)
         await asyncio.sleep(STORAGE_RETRY_S)
     log.info("checkpoint judged", run_id=run_id, step=message.step, validated=verdict.validated)
@@ -277,7 +311,8 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
                 found.append(_record(entry, step, generation, Verdict(validated=False, reason=reason)))
                 shutil.rmtree(entry, ignore_errors=True)
             continue
-        verdict = await validate(input.root, str(entry), input.reference, heartbeat=lambda: None)  # a local activity
+        # A local activity: no heartbeat.
+        verdict = await validate(input.root, str(entry), input.reference, lambda: None, input.validation)
         if verdict is not None:  # storage went away: a later restart judges it
             found.append(_record(entry, step, generation, verdict))
     return found

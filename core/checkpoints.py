@@ -34,3 +34,4 @@ class ChooseInput(BaseModel):
     generation: int  # the generation about to start
     known: list[str]  # names (step-…-g…) of the checkpoints the workflow has already judged
     reference: CheckpointRecord | None
+    validation: list[str] = []  # CheckpointSpec.validation

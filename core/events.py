@@ -29,6 +29,7 @@ class KeeperInput(BaseModel):
     started_at: datetime  # retention's six-hour milestones count from the run's start
     sdc_check_steps: float
     checkpoint_steps: float  # the interval this generation's ranks were given, in steps
+    validation: list[str] = []  # CheckpointSpec.validation: the user's own check, after stayalive's
 
 
 class MonitorInput(BaseModel):

@@ -83,6 +83,24 @@ class CheckpointSpec(_Spec):
     # The MTBF assumed before this run has measured its own (the `auto` interval, paging's failure
     # rate rule). Unset: the fleet's measured failure rate at the run's width.
     prior_mtbf: Seconds | None = None
+    validation: list[str] = Field(
+        default=[],
+        description="A check of your own, as an argv list: the supervisor runs it on every checkpoint after its "
+        "own, with the checkpoint's directory as the last argument (e.g. a module that loads it and runs a "
+        "forward pass). Exit 0 accepts the checkpoint; any other exit rejects it, with its last line of "
+        "stderr as the reason, and a rejected checkpoint is never resumed from. `python` is the supervisor's "
+        "interpreter.",
+    )
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _validation_is_argv(cls, validation: object) -> object:
+        if isinstance(validation, str):
+            raise ValueError(
+                f"checkpoint.validation must be an argv list, never a shell string: write "
+                f"{json.dumps(validation.split())} instead of {json.dumps(validation)}"
+            )
+        return validation
 
     @field_validator("root")
     @classmethod

@@ -32,6 +32,7 @@ async def judge_leftovers(book: RunBook) -> None:
             generation=status.generation,
             known=[c.path.rstrip("/").rsplit("/", 1)[-1] for c in status.checkpoints],
             reference=status.latest_valid_checkpoint(),
+            validation=book.spec.checkpoint.validation,
         )
     )
     book.file_leftovers(found)

@@ -154,6 +154,7 @@ def start_monitor(book: RunBook) -> Generation:
         started_at=status.started_at,
         sdc_check_steps=spec.sdc.self_check_every,
         checkpoint_steps=checkpoint_steps(status),
+        validation=spec.checkpoint.validation,
     )
     input = MonitorInput(
         run_id=status.run_id,
