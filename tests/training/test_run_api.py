@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def launch(
         "STAYALIVE_RESUME_FROM": str(resume or ""),
     }
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), LOOP, "--out", str(out)]
-    subprocess.run([*argv, *flags], env=env, cwd=ROOT, check=True, capture_output=True)
+    done = subprocess.run([*argv, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)[-6000:]
     return torch.load(out, weights_only=True)
 
 
@@ -48,36 +50,52 @@ def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-@pytest.mark.parametrize("flags", [(), ("--fsdp",)], ids=["ddp", "fsdp2"])
-def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, flags: tuple[str, ...]) -> None:
-    uninterrupted = launch(tmp_path, "uninterrupted", 2, *flags)
-    committed = checkpoint(tmp_path, 10)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    """One uninterrupted 2-rank run per model wrapping, to step 20: its directory and final weights."""
+    runs = {}
+    for name, flags in {"ddp": (), "fsdp2": ("--fsdp",)}.items():
+        directory = tmp_path_factory.mktemp(name)
+        runs[name] = directory, launch(directory, "uninterrupted", 2, *flags)
+    return runs
+
+
+@pytest.mark.parametrize("wrapping", ["ddp", "fsdp2"])
+def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(
+    uninterrupted: dict[str, tuple[Path, dict[str, torch.Tensor]]], wrapping: str
+) -> None:
+    directory, weights = uninterrupted[wrapping]
+    committed = checkpoint(directory, 10)
     manifest = read_dcp_manifest(committed)
     assert (manifest.step, manifest.world_size) == (10, 2)
     assert validate.test_load(committed).ok
-    resumed = launch(tmp_path, "resumed", 2, *flags, generation=1, resume=committed)
-    assert_equal(resumed, uninterrupted)
+    flags = ("--fsdp",) if wrapping == "fsdp2" else ()
+    resumed = launch(directory, f"resumed-{wrapping}", 2, *flags, generation=1, resume=committed)
+    assert_equal(resumed, weights)
 
 
-def test_an_fsdp2_state_resumes_resharded_at_another_world_size(tmp_path: Path) -> None:
-    launch(tmp_path, "wide", 4, "--fsdp")
-    saved = read_dcp_manifest(checkpoint(tmp_path, 10))
-    assert saved.world_size == 4
-    assert any(len(r.files) for r in saved.ranks if r.rank == 3), "every rank wrote its shard"
-    launch(tmp_path, "narrow", 2, "--fsdp", generation=1, resume=checkpoint(tmp_path, 10))
+def test_an_fsdp2_state_resumes_resharded_at_another_world_size(
+    uninterrupted: dict[str, tuple[Path, dict[str, torch.Tensor]]],
+) -> None:
+    directory, _ = uninterrupted["fsdp2"]
+    saved = read_dcp_manifest(checkpoint(directory, 10))
+    assert saved.world_size == 2 and all(r.files for r in saved.ranks), "every rank wrote its shard"
+    launch(directory, "narrow", 1, "--fsdp", generation=2, resume=checkpoint(directory, 10))
     # The narrow run's first checkpoint (step 15) holds the wide run's step 10 state trained 5 steps
     # further: its model keys and shapes are the wide run's, whole.
-    resharded = read_dcp_manifest(checkpoint(tmp_path, 15, generation=1))
-    assert resharded.world_size == 2
+    resharded = read_dcp_manifest(checkpoint(directory, 15, generation=2))
+    assert resharded.world_size == 1
     assert {k: v for k, v in resharded.tensors.items() if k.startswith("model.")} == {
         k: v for k, v in saved.tensors.items() if k.startswith("model.")
     }
-    assert validate.test_load(checkpoint(tmp_path, 20, generation=1)).ok
+    assert validate.test_load(checkpoint(directory, 20, generation=2)).ok
 
 
-def test_a_damaged_file_or_a_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
-    launch(tmp_path, "run", 2)
-    damaged = checkpoint(tmp_path, 10)
+def test_a_damaged_file_or_a_pickle_that_runs_code_is_refused(
+    uninterrupted: dict[str, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path
+) -> None:
+    directory, _ = uninterrupted["ddp"]
+    damaged = shutil.copytree(checkpoint(directory, 5), tmp_path / "step-00000005-g0")
     with open(damaged / "__1_0.distcp", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
@@ -90,4 +108,4 @@ def test_a_damaged_file_or_a_pickle_that_runs_code_is_refused(tmp_path: Path) ->
 
     with pytest.raises(CheckpointError, match=r"names (posix|os)\.system"):
         load_dcp_metadata(pickle.dumps(Evil()))
-    assert load_dcp_metadata((checkpoint(tmp_path, 15) / DCP_METADATA).read_bytes()).state_dict_metadata
+    assert load_dcp_metadata((checkpoint(directory, 15) / DCP_METADATA).read_bytes()).state_dict_metadata
