@@ -127,29 +127,29 @@ async def test_force_checkpoint_and_resume_from_a_named_step(client: Client, tmp
 
 async def test_a_checkpoint_the_runs_own_check_rejects_is_never_resumed(client: Client, tmp_path: Path) -> None:
     """checkpoint.validation runs tests/training/api_check.py (load, forward pass) on every checkpoint
-    after stayalive's checks: it rejects step 20's, and a rank killed just after that verdict resumes
-    from another checkpoint, one both checks passed."""
+    after stayalive's checks: it rejects step 10's, and a rank killed just after that verdict resumes
+    from another checkpoint, one both checks passed, or from the start."""
     root, out, samples = tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt"
     checkpoint = {
         "root": str(root),
         "interval": "10 steps",
-        "validation": ["python", "tests/training/api_check.py", "--reject-step", "20"],
+        "validation": ["python", "tests/training/api_check.py", "--reject-step", "10"],
     }
-    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "250"]
-    # 15 s of steps: the check runs a process per checkpoint, so verdicts trail the run by seconds.
-    spec = loop_spec(root, out, samples, target_step=60, checkpoint=checkpoint, entrypoint=entrypoint)
+    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "150"]
+    # 6 s of steps: the check runs a process per checkpoint, so verdicts trail the run by seconds.
+    spec = loop_spec(root, out, samples, target_step=40, checkpoint=checkpoint, entrypoint=entrypoint)
     handle = await start(client, spec, "user-loop-check")
-    status = await wait_until(handle, lambda s: any(c.step == 20 for c in s.checkpoints), timeout=120)
+    status = await wait_until(handle, lambda s: any(c.step == 10 for c in s.checkpoints), timeout=120)
     os.kill((await rank_pids(client, handle))["n1"][1], signal.SIGKILL)
-    rejected = next(c for c in status.checkpoints if c.step == 20)
+    (rejected,) = status.checkpoints
     assert not rejected.validated
-    assert "step 20: the forward pass is not what this model should give" in rejected.reason
-    assert all(c.validated and "the run's own check" in c.reason for c in status.checkpoints if c.step < 20)
+    assert "step 10: the forward pass is not what this model should give" in rejected.reason
 
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
     (crash,) = result.interruptions
     assert (crash.cause, crash.rank) == (Cause.CRASH, 1)
-    assert crash.resumed_from is not None and crash.resumed_from != 20
-    resumed = [c for c in await handle.query(RunWorkflow.checkpoints) if c.step == crash.resumed_from]
-    assert resumed and all(c.validated for c in resumed if c.generation == 0)
+    assert crash.resumed_from is not None and crash.resumed_from != 10
+    judged = await handle.query(RunWorkflow.checkpoints)
+    assert all("the run's own check" in c.reason for c in judged if c.validated)
+    assert crash.resumed_from == 0 or any(c.step == crash.resumed_from and c.validated for c in judged)
