@@ -75,6 +75,16 @@ class CheckpointInterval(_Spec):
         return f"{int(self.value or 0)} steps" if self.kind == "steps" else f"{self.value:g}s"
 
 
+def argv_not_shell(field: str, value: object) -> object:
+    """A command is an argv list: a shell string is refused with the list to write instead."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"{field} must be an argv list, never a shell string: write {json.dumps(value.split())} "
+            f"instead of {json.dumps(value)}"
+        )
+    return value
+
+
 class CheckpointSpec(_Spec):
     root: str = Field(description="Directory that holds this run's checkpoints (shared by every node).")
     interval: Annotated[CheckpointInterval, BeforeValidator(CheckpointInterval.parse)] = CheckpointInterval(kind="auto")
@@ -95,12 +105,7 @@ class CheckpointSpec(_Spec):
     @field_validator("validation", mode="before")
     @classmethod
     def _validation_is_argv(cls, validation: object) -> object:
-        if isinstance(validation, str):
-            raise ValueError(
-                f"checkpoint.validation must be an argv list, never a shell string: write "
-                f"{json.dumps(validation.split())} instead of {json.dumps(validation)}"
-            )
-        return validation
+        return argv_not_shell("checkpoint.validation", validation)
 
     @field_validator("root")
     @classmethod
@@ -248,12 +253,7 @@ class RunSpec(_Spec):
     @field_validator("entrypoint", mode="before")
     @classmethod
     def _entrypoint_is_argv(cls, entrypoint: object) -> object:
-        if isinstance(entrypoint, str):
-            raise ValueError(
-                f"entrypoint must be an argv list, never a shell string: write {json.dumps(entrypoint.split())} "
-                f"instead of {json.dumps(entrypoint)}"
-            )
-        return entrypoint
+        return argv_not_shell("entrypoint", entrypoint)
 
     @field_validator("nodes", "spare_nodes")
     @classmethod

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, Protocol, TypeVar, cast
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -152,21 +152,40 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+class Sealed(Protocol):
+    digest: str
+
+    def body_digest(self) -> str: ...
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
 def read_manifest(directory: Path) -> Manifest:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no {MANIFEST}: the write never committed; use an earlier checkpoint")
-    return parse_manifest(path.read_bytes(), str(path))
+    return read_sealed(directory, Manifest)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
+    return parse_sealed(data, where, Manifest)
+
+
+def read_sealed(directory: Path, format: type[M]) -> M:
+    """The committed manifest of `directory`, in `format` (the built-in trainer's, or the public API's)."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {MANIFEST}: the write never committed; use an earlier checkpoint")
+    return parse_sealed(path.read_bytes(), str(path), format)
+
+
+def parse_sealed(data: bytes, where: str, format: type[M]) -> M:
     try:
-        manifest = Manifest.model_validate_json(data)
+        manifest = format.model_validate_json(data)
     except ValidationError as exc:
         raise CheckpointError(
             f"{where} is not a valid manifest ({exc.error_count()} errors): use another checkpoint"
         ) from None
-    if manifest.digest != manifest.body_digest():
+    sealed = cast(Sealed, manifest)
+    if sealed.digest != sealed.body_digest():
         raise CheckpointError(f"{where} was edited after it was written (digest mismatch): use another checkpoint")
     return manifest
 

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from stayalive.training import memory
 from stayalive.training.checkpoint import Manifest, ShardRecord, checkpoint_dirname, partition, shard_filename
-from stayalive.training.commit import DURABLE, Committer, copy_durably
+from stayalive.training.commit import Committer, copy_durably
 from stayalive.training.faults import FaultInjector
 from stayalive.training.flusher import Flusher
 from stayalive.training.memory import MemoryTier
@@ -160,8 +160,7 @@ class Checkpointer:
     def durable(self) -> str | None:
         """The newest checkpoint known whole on storage: this generation's newest commit (by any rank:
         the store says), else the one it started from."""
-        if self.store.check([DURABLE]):
-            self._durable = self.store.get(DURABLE).decode()
+        self._durable = self.commit.durable() or self._durable
         return self._durable
 
     def _in_memory(self) -> None:

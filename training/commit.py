@@ -72,6 +72,10 @@ class Committer:
     tier: MemoryTier | None
     faults: FaultInjector
 
+    def durable(self) -> str | None:
+        """The newest checkpoint this generation committed whole on storage (by any rank), if any."""
+        return self.store.get(DURABLE).decode() if self.store.check([DURABLE]) else None
+
     def staging(self, name: str) -> Path:
         """Where a rank without a host-memory tier serializes its share, next to storage."""
         return self.directory / f".{name}.staging"

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from stayalive.training.checkpoint import MANIFEST, CheckpointError, sha256_file
+from stayalive.training.checkpoint import CheckpointError, read_sealed, sha256_file
 
 FORMAT: Literal["stayalive-dcp/1"] = "stayalive-dcp/1"
 DCP_METADATA = ".metadata"
@@ -86,23 +86,8 @@ class DcpManifest(BaseModel):
         return max(r.blocking_s for r in self.ranks)
 
 
-def parse_dcp_manifest(data: bytes, where: str) -> DcpManifest:
-    try:
-        manifest = DcpManifest.model_validate_json(data)
-    except ValidationError as exc:
-        raise CheckpointError(
-            f"{where} is not a valid manifest ({exc.error_count()} errors): use another checkpoint"
-        ) from None
-    if manifest.digest != manifest.body_digest():
-        raise CheckpointError(f"{where} was edited after it was written (digest mismatch): use another checkpoint")
-    return manifest
-
-
 def read_dcp_manifest(directory: Path) -> DcpManifest:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no {MANIFEST}: the write never committed; use an earlier checkpoint")
-    return parse_dcp_manifest(path.read_bytes(), str(path))
+    return read_sealed(directory, DcpManifest)
 
 
 def verify_files(directory: Path, manifest: DcpManifest) -> list[str]:

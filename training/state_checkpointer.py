@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.staging import StateDictStager
 
 from stayalive.training import memory
 from stayalive.training.checkpoint import checkpoint_dirname
-from stayalive.training.commit import DURABLE, Committer, committed_key, copy_durably
+from stayalive.training.commit import Committer, committed_key, copy_durably
 from stayalive.training.dcp_format import (
     DCP_METADATA,
     DcpManifest,
@@ -119,8 +119,7 @@ class StateCheckpointer:
         return name
 
     def durable(self) -> str | None:
-        if self.commit.store.check([DURABLE]):
-            self._durable = self.commit.store.get(DURABLE).decode()
+        self._durable = self.commit.durable() or self._durable
         return self._durable
 
     def _in_memory(self) -> None:

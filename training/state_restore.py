@@ -23,12 +23,11 @@ import torch.distributed.checkpoint as dcp
 
 from stayalive.core.hangs import Site
 from stayalive.training import collectives, memory
-from stayalive.training.checkpoint import CheckpointError, write_atomically
+from stayalive.training.checkpoint import CheckpointError, parse_sealed, write_atomically
 from stayalive.training.dcp_format import (
     DcpManifest,
     SafePlanner,
     SafeReader,
-    parse_dcp_manifest,
     read_dcp_manifest,
     verify_files,
 )
@@ -77,7 +76,7 @@ def restore_state(
     which is every rank, calls this); raise CheckpointError for a checkpoint that must not be used."""
     started = time.perf_counter()
     found = manifest_bytes(directory, tier, run_id, rank, world_size, group)
-    manifest = read_dcp_manifest(directory) if found is None else parse_dcp_manifest(*found)
+    manifest = read_dcp_manifest(directory) if found is None else parse_sealed(*found, DcpManifest)
     if manifest.run_id != run_id:
         raise CheckpointError(f"{directory.name} is run {manifest.run_id}'s, not {run_id}'s: resume from this run's")
     gathered = _gathered(tier, run_id, directory, manifest)
