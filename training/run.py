@@ -7,6 +7,9 @@
         loss = train_step(...)
         run.record(loss)
 
+A loop with a counter of its own, or a framework's callbacks, brackets each step instead:
+`run.begin_step()`, …, `run.record(loss)`, `if not run.end_step(): break`, and `run.finish()` after.
+
 `Run` gives the loop what the built-in trainer has: step telemetry through the node agent; commands
 (checkpoint now, hold, exit, a new interval) carried out by every rank at the same agreed step;
 asynchronous DCP checkpoints of the model, optimizer, data loader and every rank's RNG streams,
@@ -105,6 +108,7 @@ class Run:
         self._compute_s: float | None = None
         self._votes: torch.Tensor | None = None  # every rank's vote, summed, once this step's has ridden a bucket
         self._vote_sent = False
+        self._finished = False
         if "STAYALIVE_RUN_ID" not in os.environ:
             if target_step is None:
                 raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
@@ -162,58 +166,34 @@ class Run:
         """The steps to train, from the one after the restored step to the target. Between two
         steps every rank carries out the commands it agreed on; after the last (or an exit command),
         the final checkpoint is on storage before this returns."""
-        for step in range(self.step + 1, self.target_step + 1):
-            self._begin(step)
+        while self.step < self.target_step:
+            step = self.begin_step()
             yield step
-            if not self._end(step):
+            if not self.end_step():
                 break
-        self._finish()
+        self.finish()
 
-    def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
-        """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
-        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self._loss = value if math.isfinite(value) else None
-        self._samples = list(samples or [])
+    # A loop that keeps its own counter (or a framework's callbacks) brackets each step instead:
+    #     run.begin_step(); ...; run.record(loss); if not run.end_step(): break
+    # and calls run.finish() once after the last.
 
-    def checkpoint(self) -> float:
-        """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
-        return self.checkpointer.save(self.step, self._state()) if self.config is not None else 0.0
-
-    # -- between steps -------------------------------------------------------------------------------
-
-    def _begin(self, step: int) -> None:
+    def begin_step(self) -> int:
+        """A step begins (the one after `self.step`); its number."""
+        step = self.step + 1
         structlog.contextvars.bind_contextvars(step=step)
         collectives.at_step(step)
         self._loss, self._samples, self._compute_s = None, [], None
         self._votes, self._vote_sent = None, False
         self._started = time.perf_counter()
+        return step
 
-    def _before_collectives(self) -> float:
-        """Once per step, where its first collective begins: the compute time the straggler checks
-        compare, and where a dying, hanging or slow GPU shows (fault injection)."""
-        if self._compute_s is None:
-            self._compute_s = time.perf_counter() - self._started
-            self.faults.before_collective(self.step + 1, self._compute_s)
-        return self._compute_s
-
-    def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Each gradient bucket's all-reduce, counted; the step's first (of a float32/64 gradient,
-        which counts exactly) carries the command vote."""
-        self._before_collectives()
-        if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
-            return collectives.ddp_all_reduce(None, bucket, per_tensor=self.exact_resume)
-        self._vote_sent = True
-        votes = self.supervision.votes()
-        return collectives.ddp_all_reduce(None, bucket, votes, self._votes_arrived, per_tensor=self.exact_resume)
-
-    def _votes_arrived(self, votes: torch.Tensor) -> None:
-        self._votes = votes
-
-    def _end(self, step: int) -> bool:
-        """After the loop's step: report it, agree on commands, carry them out. False: stop."""
+    def end_step(self) -> bool:
+        """The step is done: report it, agree on commands with every rank, carry them out. False:
+        stop training (an exit command, or the target step reached); a held rank does not return."""
+        step = self.step + 1
         if self.config is None:
             self.step = step
-            return True
+            return step < self.target_step
         compute_s = self._before_collectives()
         votes = self._votes
         if votes is None:  # no DDP bucket carried it (FSDP2, a loop without DDP): a small all-reduce of its own
@@ -239,15 +219,51 @@ class Run:
             self.checkpointer.save(step, self._state())
         if decision.hold:
             self._hold()
-        return not decision.stop
+        return not decision.stop and step < self.target_step
 
-    def _finish(self) -> None:
-        if self.config is None:
+    def finish(self) -> None:
+        """Training is over: the last checkpoint reaches storage and the run hears this rank is done.
+        Called once, after the last step."""
+        if self.config is None or self._finished:
             return
+        self._finished = True
         self._report(Finished(rank=self.rank, generation=self.config.generation, step=self.step))
         self.checkpointer.wait()
         if self.channel is not None:
             self.channel.close()
+
+    def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
+        """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
+        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self._loss = value if math.isfinite(value) else None
+        self._samples = list(samples or [])
+
+    def checkpoint(self) -> float:
+        """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
+        return self.checkpointer.save(self.step, self._state()) if self.config is not None else 0.0
+
+    # -- between steps -------------------------------------------------------------------------------
+
+    def _before_collectives(self) -> float:
+        """Once per step, where its first collective begins: the compute time the straggler checks
+        compare, and where a dying, hanging or slow GPU shows (fault injection)."""
+        if self._compute_s is None:
+            self._compute_s = time.perf_counter() - self._started
+            self.faults.before_collective(self.step + 1, self._compute_s)
+        return self._compute_s
+
+    def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Each gradient bucket's all-reduce, counted; the step's first (of a float32/64 gradient,
+        which counts exactly) carries the command vote."""
+        self._before_collectives()
+        if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
+            return collectives.ddp_all_reduce(None, bucket, per_tensor=self.exact_resume)
+        self._vote_sent = True
+        votes = self.supervision.votes()
+        return collectives.ddp_all_reduce(None, bucket, votes, self._votes_arrived, per_tensor=self.exact_resume)
+
+    def _votes_arrived(self, votes: torch.Tensor) -> None:
+        self._votes = votes
 
     def _hold(self) -> None:
         """Held at an agreed step: the checkpoint just saved reaches storage, then this process either
