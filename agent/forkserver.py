@@ -50,9 +50,9 @@ class ForkServers:
         return self.servers[profile]
 
     async def start_rank(
-        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path
+        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
     ) -> RankProcess | None:
-        return await self.server(profile_for(argv)).start_rank(rank, generation, argv, env, log_path)
+        return await self.server(profile_for(argv)).start_rank(rank, generation, argv, env, log_path, cwd)
 
     async def close(self) -> None:
         for server in self.servers.values():
@@ -88,7 +88,7 @@ class ForkServer:
             await self._ready.wait()
 
     async def start_rank(
-        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path
+        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
     ) -> RankProcess | None:
         """The rank, forked from the server (waiting for it to warm if it is warming); None when the
         server cannot run it, and the caller starts it cold."""
@@ -106,7 +106,7 @@ class ForkServer:
             seq = next(self._seq)
             asked = self._asked[seq] = asyncio.get_running_loop().create_future()
             try:
-                request = Assignment(seq=seq, argv=argv, env=launch_env, log=log_path, cwd=Path.cwd())
+                request = Assignment(seq=seq, argv=argv, env=launch_env, log=log_path, cwd=cwd)
                 process.stdin.write(request.model_dump_json().encode() + b"\n")
                 await process.stdin.drain()
                 pid, waiter = await asyncio.wait_for(asked, WARM_TIMEOUT_S)

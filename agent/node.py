@@ -334,14 +334,21 @@ class NodeAgent:
 
     async def _start(self, launch: NodeLaunch, skip: set[int]) -> list[RankProcess]:
         argv = resolve_argv(launch.entrypoint)
+        workdir = Path(launch.workdir or ".").absolute()
+        if not workdir.is_dir():
+            raise ValueError(f"workdir {workdir} is not a directory on node {self.node}: fix the run spec's workdir")
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
         ranks = []
         for local_rank, rank in enumerate(launch.ranks):
             if rank in skip:
                 continue
             env, log_path = self._env(launch, local_rank), run_dir / f"rank-{rank}.log"
-            warm = await self.forks.start_rank(rank, launch.generation, argv, env, log_path) if self.forks else None
-            ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path))
+            warm = (
+                await self.forks.start_rank(rank, launch.generation, argv, env, log_path, workdir)
+                if self.forks
+                else None
+            )
+            ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path, workdir))
         if ranks:
             log.info(
                 "ranks started",

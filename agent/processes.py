@@ -73,12 +73,14 @@ async def spawn(
     stdin: int | IO[Any],
     stdout: int | IO[Any],
     stderr: int | IO[Any] = asyncio.subprocess.STDOUT,
+    cwd: Path | None = None,
 ) -> asyncio.subprocess.Process:
     """Start a process the way every rank process starts (a cold rank, or the fork server ranks are
     forked from): its own session, dying with this agent, stderr into stdout unless told."""
     return await asyncio.create_subprocess_exec(
         *argv,
         env=env,
+        cwd=cwd,
         stdin=stdin,
         stdout=stdout,
         stderr=stderr,
@@ -87,10 +89,12 @@ async def spawn(
     )
 
 
-async def start_rank(rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path) -> RankProcess:
+async def start_rank(
+    rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
+) -> RankProcess:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        process = await spawn(argv, {**os.environ, **env}, asyncio.subprocess.DEVNULL, log_file)
+        process = await spawn(argv, {**os.environ, **env}, asyncio.subprocess.DEVNULL, log_file, cwd=cwd)
     waiter = asyncio.ensure_future(process.wait())
     return RankProcess(rank=rank, generation=generation, pid=process.pid, log_path=log_path, waiter=waiter)
 

@@ -44,6 +44,7 @@ class Launch(BaseModel):
     ranks_per_node: int
     backend: Backend = "gloo"
     entrypoint: list[str]
+    workdir: str | None = None
     env: dict[str, str]  # the same for every rank of the generation (the spec's env and STAYALIVE_*)
     # After a hold the survivors keep their processes: on each node the live ranks of the last
     # generation take this generation's ranks in order; only the ranks nobody holds start fresh.
@@ -85,6 +86,7 @@ class NodeLaunch(BaseModel):
     world_size: int
     rendezvous: Endpoint  # the hub of the agent that hosts the generation's store
     entrypoint: list[str]
+    workdir: str | None = None
     env: dict[str, str]
     rejoin: bool = False
     hardware: list[HardwareFault] = []
@@ -100,6 +102,7 @@ class NodeLaunch(BaseModel):
             world_size=launch.world_size,
             rendezvous=rendezvous,
             entrypoint=launch.entrypoint,
+            workdir=launch.workdir,
             env=launch.env,
             rejoin=launch.rejoin,
             hardware=launch.hardware,

@@ -214,6 +214,11 @@ class RunSpec(_Spec):
     spare_nodes: list[str] = []
     min_nodes: int = Field(default=1, ge=1, description="Below this many nodes the run waits for one to come back.")
     entrypoint: list[str] = Field(min_length=1)
+    workdir: str | None = Field(
+        default=None,
+        description="The entrypoint's working directory on every node (relative: to the node agent's), as "
+        "torchrun's is wherever it was started; by default the agent's.",
+    )
     env: dict[str, str] = {}
     hooks: bool = Field(
         default=True,
@@ -300,5 +305,6 @@ class RunSpec(_Spec):
     @property
     def config_digest(self) -> str:
         """Identity of the training job for step-time baselines: same code and per-node shape, same digest."""
-        key = json.dumps({"entrypoint": self.entrypoint, "env": self.env, "ranks_per_node": self.ranks_per_node})
+        job = {"entrypoint": self.entrypoint, "workdir": self.workdir, "env": self.env}
+        key = json.dumps(job | {"ranks_per_node": self.ranks_per_node})
         return hashlib.sha256(key.encode()).hexdigest()[:16]

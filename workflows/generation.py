@@ -131,6 +131,7 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
         ranks_per_node=spec.ranks_per_node,
         backend=spec.backend,
         entrypoint=spec.entrypoint,
+        workdir=spec.workdir,
         env=env,
         rejoin=membership is not None,
         hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],

@@ -72,8 +72,10 @@ def report(rank: RankProcess) -> dict[str, Any]:
     return first
 
 
-async def forked(server: ForkServer, argv: list[str], log: Path, env: dict[str, str] | None = None) -> RankProcess:
-    rank = await server.start_rank(0, 0, argv, env or {}, log)
+async def forked(
+    server: ForkServer, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> RankProcess:
+    rank = await server.start_rank(0, 0, argv, env or {}, log, cwd)
     assert rank is not None, "the server refused a launch it can run"
     return rank
 
@@ -86,7 +88,7 @@ async def test_a_forked_rank_runs_a_module_entrypoint_as_a_cold_start_would(
     monkeypatch.delenv("FORK_PROBE_LEFTOVER")  # ...but no longer in the agent's when the rank starts
 
     log = tmp_path / "g2" / "rank-5.log"
-    rank = await server.start_rank(5, 2, [*MODULE, "7", "--flag"], {"RANK": "5"}, log)
+    rank = await server.start_rank(5, 2, [*MODULE, "7", "--flag"], {"RANK": "5"}, log, ROOT)
     assert rank is not None
     assert await rank.waiter == 7
     assert rank.exit_code == 7 and rank.exited_at is not None
@@ -109,10 +111,11 @@ async def test_a_forked_rank_runs_a_module_entrypoint_as_a_cold_start_would(
 async def test_a_forked_rank_runs_a_script_and_an_exception_exits_1_with_its_traceback(
     server: ForkServer, tmp_path: Path
 ) -> None:
-    rank = await forked(server, [sys.executable, str(PROBE), "raise"], tmp_path / "rank-0.log")
+    rank = await forked(server, [sys.executable, str(PROBE), "raise"], tmp_path / "rank-0.log", cwd=tmp_path)
     assert await rank.waiter == 1
     seen = report(rank)
     assert seen["warm"] is True
+    assert seen["cwd"] == str(tmp_path)  # the run's workdir, not the agent's
     assert seen["path0"] == str(PROBE.parent)  # what `python script.py` puts first on sys.path
     tail = rank.log_tail()
     assert "RuntimeError: probe raised" in tail and "probe atexit ran" in tail
@@ -130,7 +133,7 @@ async def test_a_forked_rank_runs_a_script_and_an_exception_exits_1_with_its_tra
 async def test_what_the_server_cannot_honour_starts_cold(
     server: ForkServer, tmp_path: Path, argv: list[str], env: dict[str, str]
 ) -> None:
-    assert await server.start_rank(0, 0, argv, env, tmp_path / "rank-0.log") is None
+    assert await server.start_rank(0, 0, argv, env, tmp_path / "rank-0.log", ROOT) is None
     assert server.warm, "the server stays up for the ranks it can run"
 
 
@@ -227,7 +230,7 @@ async def test_a_foreign_script_is_forked_from_a_server_without_torch_dynamo(
     forks = ForkServers(tmp_path / "agent")
     forks.start()
     try:
-        rank = await forks.start_rank(0, 0, [*MODULE, "0"], {"RANK": "0"}, tmp_path / "rank-0.log")
+        rank = await forks.start_rank(0, 0, [*MODULE, "0"], {"RANK": "0"}, tmp_path / "rank-0.log", ROOT)
         assert rank is not None and await rank.waiter == 0
         seen = report(rank)
         assert seen["warm"] is True and seen["dynamo"] is False
