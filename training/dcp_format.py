@@ -22,10 +22,12 @@ import hashlib
 import io
 import json
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
@@ -174,3 +176,17 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorEntry]:
         for key, item in metadata.state_dict_metadata.items()
         if isinstance(item, TensorStorageMetadata)
     }
+
+
+def load_dcp_tensors(directory: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, in this one process (no model, no group): what a
+    validation or a comparison reads. Check the files against the manifest first (verify_files)."""
+    tensors = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # no_dist=True: DCP warns that it loads in one process, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(directory), planner=SafePlanner(), no_dist=True)
+    return tensors

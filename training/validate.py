@@ -14,21 +14,18 @@ from __future__ import annotations
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stayalive.training.checkpoint import MANIFEST, CheckpointError, load_checkpoint
 from stayalive.training.dcp_format import (
     DCP_METADATA,
     FORMAT,
-    SafePlanner,
-    SafeReader,
     load_dcp_metadata,
+    load_dcp_tensors,
     read_dcp_manifest,
     tensor_entries,
     verify_files,
@@ -77,14 +74,7 @@ def _test_load_dcp(directory: Path) -> TestLoad:
         differing = sorted(set(manifest.tensors) ^ set(recorded))[:5]
         problem = f"DCP metadata disagrees with the manifest on {differing}"
         return TestLoad(ok=False, problems=[problem], step=manifest.step)
-    tensors = {
-        key: torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():  # no_dist=True: DCP warns that it loads in one process, as asked
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=SafeReader(directory), planner=SafePlanner(), no_dist=True)
+    tensors = load_dcp_tensors(directory, metadata)
     nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if nonfinite:
         return TestLoad(ok=False, problems=[f"non-finite values in {', '.join(nonfinite[:5])}"], step=manifest.step)
