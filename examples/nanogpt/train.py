@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed import init_process_group, destroy_process_group
 
 from model import GPTConfig, GPT
+import stayalive
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -249,11 +250,17 @@ if wandb_log and master_process:
 
 # training loop
 X, Y = get_batch('train') # fetch the very first batch
+class Prefetched: # the batch drawn ahead is part of the loop's state: a resumed run trains on it
+    def state_dict(self): return {'X': X, 'Y': Y}
+    def load_state_dict(self, state): globals().update(X=state['X'], Y=state['Y'])
+run = stayalive.Run(model, optimizer, dataloader=Prefetched(), target_step=max_iters + 1, exact_resume=True)
+iter_num = run.step # 0, or the step stayalive resumed from
 t0 = time.time()
 local_iter_num = 0 # number of iterations in the lifetime of this process
 raw_model = model.module if ddp else model # unwrap DDP container if needed
 running_mfu = -1.0
 while True:
+    run.begin_step()
 
     # determine and set the learning rate for this iteration
     lr = get_lr(iter_num) if decay_lr else learning_rate
@@ -328,10 +335,14 @@ while True:
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
     iter_num += 1
     local_iter_num += 1
+    run.record(loss * gradient_accumulation_steps)
+    if not run.end_step(): # the run's target step, or an exit every rank agreed on
+        break
 
     # termination conditions
     if iter_num > max_iters:
         break
 
+run.finish()
 if ddp:
     destroy_process_group()

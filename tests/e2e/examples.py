@@ -1,0 +1,103 @@
+"""The published training scripts under examples/ (nanoGPT, PyTorch's FSDP2 example), run under
+stayalive as their users would run them: a working directory of their own, the script's own
+command line, the API's lines added (each example's stayalive.patch) and nothing else."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stayalive.core.run import CheckpointRecord
+from stayalive.core.spec import RunSpec
+from stayalive.core.telemetry import StepReport
+from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, load_dcp_tensors, read_dcp_manifest
+from tests.helpers import ROOT
+
+EXAMPLES = ROOT / "examples"
+VOCAB = 65  # a character-level vocabulary, as nanoGPT's shakespeare_char
+
+
+def nanogpt_workdir(where: Path) -> Path:
+    """nanoGPT's files and a tiny tokenized dataset (`data/tiny`: train.bin, val.bin, meta.pkl, the
+    layout its prepare.py scripts write), in a directory of its own: it reads its configurator and
+    data relative to where it runs."""
+    where.mkdir(parents=True)
+    for name in ("train.py", "model.py", "configurator.py"):
+        shutil.copy(EXAMPLES / "nanogpt" / name, where / name)
+    data = where / "data" / "tiny"
+    data.mkdir(parents=True)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 60_000, dtype=np.uint16)
+    tokens[:50_000].tofile(data / "train.bin")
+    tokens[50_000:].tofile(data / "val.bin")
+    (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": VOCAB}))
+    return where
+
+
+def nanogpt_spec(workdir: Path, checkpoints: Path, target_step: int, **overrides: object) -> RunSpec:
+    """4 ranks on 2 nodes plus a spare, nanoGPT on CPU: a 2-layer model, one micro-batch per rank."""
+    argv = [
+        "python", "train.py", "--device=cpu", "--backend=gloo", "--compile=False", "--dtype=float32",
+        "--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--gradient_accumulation_steps=4", f"--max_iters={target_step - 1}", "--eval_interval=100000",
+        "--eval_iters=2", "--log_interval=100000", "--warmup_iters=5", f"--lr_decay_iters={target_step}",
+    ]  # fmt: skip
+    spec: dict[str, object] = {
+        "name": "nanogpt",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "spare_nodes": ["n3"],
+        "min_nodes": 2,
+        "entrypoint": argv,
+        "workdir": str(workdir),
+        "target_step": target_step,
+        "checkpoint": {"root": str(checkpoints), "interval": "5 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
+
+
+def fsdp2_workdir(where: Path) -> Path:
+    where.mkdir(parents=True)
+    for name in ("example.py", "model.py", "utils.py", "checkpoint.py"):
+        shutil.copy(EXAMPLES / "fsdp2" / name, where / name)
+    return where
+
+
+def fsdp2_spec(workdir: Path, checkpoints: Path, target_step: int, **overrides: object) -> RunSpec:
+    spec: dict[str, object] = {
+        "name": "fsdp2",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "spare_nodes": ["n3"],
+        "min_nodes": 2,
+        "entrypoint": ["python", "example.py"],
+        "workdir": str(workdir),
+        "target_step": target_step,
+        "checkpoint": {"root": str(checkpoints), "interval": "5 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
+
+
+def final_weights(checkpoints: list[CheckpointRecord], step: int) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the run's validated DCP checkpoint of `step`, whole."""
+    final = next(c for c in checkpoints if c.step == step and c.validated)
+    directory = Path(final.path)
+    assert read_dcp_manifest(directory).step == step
+    tensors = load_dcp_tensors(directory, load_dcp_metadata((directory / DCP_METADATA).read_bytes()))
+    return {k: t for k, t in tensors.items() if k.startswith(("model.", "optim."))}
+
+
+def losses_as_they_stand(reports: list[StepReport]) -> dict[tuple[int, int], float | None]:
+    """(step, rank) → the loss the rank reported for the step, from the newest generation that
+    trained it: a step trained again after a restart replaces what the lost generation trained."""
+    newest: dict[tuple[int, int], StepReport] = {}
+    for report in reports:
+        key = (report.step, report.rank)
+        if key not in newest or report.generation >= newest[key].generation:
+            newest[key] = report
+    return {key: report.loss for key, report in newest.items()}

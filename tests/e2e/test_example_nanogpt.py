@@ -1,0 +1,91 @@
+"""nanoGPT's train.py (karpathy/nanoGPT, examples/nanogpt: its CPU patch and stayalive's 11 lines)
+under the real workflow, DDP on 4 ranks over 2 nodes: it survives what a run at scale meets."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+from temporalio.client import Client
+
+from stayalive.core.run import Cause, RunState
+from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
+from tests.e2e.examples import final_weights, losses_as_they_stand, nanogpt_spec, nanogpt_workdir
+from tests.helpers import RecordCollector, assert_bitwise_equal, rank_pids, start, step_reports, wait_until
+
+
+async def test_a_killed_rank_a_forced_checkpoint_and_a_rollback_to_it_end_bitwise_equal_to_an_uninterrupted_run(
+    client: Client, tmp_path: Path
+) -> None:
+    """Checkpoints only when asked (interval 1000): a rank dies once the forced one is validated, the
+    run resumes from it in host memory, then rolls back to it when told. Every rank's loss at
+    every step, as the final lineage trained it, equals the uninterrupted run's: the same batches
+    (nanoGPT draws them from the RNG, and the batch it drew ahead is saved with them)."""
+    workdir, target = nanogpt_workdir(tmp_path / "nanogpt"), 80
+    checkpoint = {"root": str(tmp_path / "checkpoints"), "interval": "1000 steps"}
+    handle = await start(client, nanogpt_spec(workdir, tmp_path, target, checkpoint=checkpoint), "nanogpt")
+    collector = RecordCollector(client, handle, ["n1", "n2", "n3"])
+    await collector.caught_up("n1", 5)
+    await handle.signal(RunWorkflow.force_checkpoint)
+    status = await wait_until(handle, lambda s: any(c.validated for c in s.checkpoints), timeout=60)
+    (forced,) = status.checkpoints
+    for node in ("n1", "n2"):  # the killed rank's reports up to the checkpoint are in before it dies
+        await collector.caught_up(node, forced.step)
+    os.kill((await rank_pids(client, handle))["n2"][3], signal.SIGKILL)
+
+    await wait_until(handle, lambda s: s.generation == 1 and s.state == RunState.RUNNING, timeout=60)
+    outcome = await handle.execute_update(RunWorkflow.resume_from, ResumeFrom(step=forced.step))
+    assert outcome.startswith(f"rolling back to step {forced.step}")
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    crash, rollback = result.interruptions
+    assert (crash.cause, crash.rank, crash.restored_from) == (Cause.CRASH, 3, "memory")
+    assert (crash.resumed_from, rollback.cause, rollback.resumed_from) == (forced.step, Cause.ROLLBACK, forced.step)
+    losses = losses_as_they_stand(step_reports(collector.stop()))
+    weights = final_weights(await handle.query(RunWorkflow.checkpoints), target)
+
+    reference = await start(client, nanogpt_spec(workdir, tmp_path / "reference", target), "nanogpt-ref")
+    reference_collector = RecordCollector(client, reference, ["n1", "n2"])
+    assert (await reference.result()).state == RunState.COMPLETED
+    reference_losses = losses_as_they_stand(step_reports(reference_collector.stop()))
+    assert len(reference_losses) == 4 * target
+    assert losses == reference_losses, "a step trained on other batches than the uninterrupted run's"
+    assert_bitwise_equal(weights, final_weights(await reference.query(RunWorkflow.checkpoints), target))
+
+
+async def test_a_hang_in_one_ranks_gradient_all_reduce_is_blamed_on_that_rank(client: Client, tmp_path: Path) -> None:
+    # At step 30: past the 20 steps the hang watchdog measures before its timeout leaves the start-up allowance.
+    faults = [{"kind": "collective_hang", "rank": 3, "at_step": 30}]
+    spec = nanogpt_spec(nanogpt_workdir(tmp_path / "nanogpt"), tmp_path, 45, faults=faults)
+    result = await (await start(client, spec, "nanogpt-hang")).result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (hang,) = result.interruptions
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, "n2", 3)
+    assert re.search(r"rank 3 never entered collective #\d+ \(the gradient all-reduce of step 30\)", hang.detail)
+
+
+async def test_a_drain_goes_on_at_two_ranks_from_the_agreed_step(client: Client, tmp_path: Path) -> None:
+    """nanoGPT at 2 ranks accumulates 2 micro-batches per rank where it took 1 at 4: the same
+    global batch, as its own code works it out from the world size it starts with."""
+    spec = nanogpt_spec(nanogpt_workdir(tmp_path / "nanogpt"), tmp_path, 60, spare_nodes=[], min_nodes=1)
+    handle = await start(client, spec, "nanogpt-drain")
+    collector = RecordCollector(client, handle, ["n1", "n2"])
+    await collector.caught_up("n1", 10)
+    survivors = (await rank_pids(client, handle))["n1"]
+    outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
+    assert "continuing on 1 nodes" in outcome
+    assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors re-executed in place"
+
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (drain,) = result.interruptions
+    assert drain.cause == Cause.DRAIN and drain.step is not None and drain.resumed_from == drain.step
+    status = await handle.query(RunWorkflow.status_query)
+    assert status.nodes == ["n1"] and status.world_size == 2
+    reports = step_reports(collector.stop())
+    assert {r.rank for r in reports if r.step > drain.step} == {0, 1}
+    assert max(r.step for r in reports) == 60
+    assert final_weights(await handle.query(RunWorkflow.checkpoints), 60)
