@@ -35,7 +35,7 @@ def set_modules_to_backward_prefetch(model, num_to_backward_prefetch):
 
 def main(args):
     _min_gpu_count = 2
-    if not verify_min_gpu_count(min_gpus=_min_gpu_count):
+    if torch.accelerator.is_available() and not verify_min_gpu_count(min_gpus=_min_gpu_count): # CPU: gloo
         print(f"Unable to locate sufficient {_min_gpu_count} gpus to run this example. Exiting.")
         exit()
     rank = int(os.environ["LOCAL_RANK"])
@@ -49,7 +49,7 @@ def main(args):
         print(f"Running on device {device}")
 
     backend = torch.distributed.get_default_backend_for_device(device)
-    torch.distributed.init_process_group(backend=backend, device_id=device)
+    torch.distributed.init_process_group(backend=backend, device_id=device if device.type != "cpu" else None)
 
     torch.manual_seed(0)
     vocab_size = 1024
