@@ -43,7 +43,9 @@ def trained_samples(path: Path) -> dict[tuple[int, int], str]:
     return {(int(step), int(rank)): samples for step, rank, samples in lines}
 
 
-async def uninterrupted(client: Client, script: str, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+async def uninterrupted(
+    client: Client, script: str, tmp_path: Path
+) -> tuple[dict[str, torch.Tensor], dict[tuple[int, int], str]]:
     """The same script under the same launcher with nothing going wrong: its final weights and samples."""
     out, samples = tmp_path / "reference.pt", tmp_path / "reference-samples.txt"
     spec = framework_spec(script, tmp_path / "reference", out, samples)
