@@ -133,8 +133,9 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomically(path: Path, data: bytes, opened: Callable[[BinaryIO], None] = lambda _: None) -> None:
     """Write under a temporary name, fsync, rename: a reader sees the whole file or none of it.
-    `opened` sees the file before it is written (where a storage fault is injected)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    `opened` sees the file before it is written (where a storage fault is injected). The temporary
+    name is the writer's own: two ranks of a node may land the same file at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         opened(f)
         f.write(data)
