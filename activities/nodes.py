@@ -76,6 +76,7 @@ class NodeActivities:
                 open_store=node == host,
                 backend=request.backend,
                 ranks_per_node=request.ranks_per_node,
+                workdir=request.workdir,
             ),
             request.answer_within,
             self.secret,

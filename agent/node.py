@@ -65,9 +65,18 @@ def _tail(path: Path, offset: int) -> str:
         return f.read()
 
 
+def launch_refusal(node: str, request: Prepare) -> str | None:
+    """Why this host cannot run the generation, or None if it can. Without this, NCCL ranks on a host
+    with no GPU, or ranks whose working directory is missing, fail one by one at start, and each
+    failure reads as the node's."""
+    workdir = Path(request.workdir or ".").absolute()
+    if not workdir.is_dir():
+        return f"{node} has no directory {workdir}: fix the run spec's workdir, or create it on every node"
+    return backend_refusal(node, request.backend, request.ranks_per_node)
+
+
 def backend_refusal(node: str, backend: str, ranks_per_node: int) -> str | None:
-    """Why this host cannot run `ranks_per_node` ranks on `backend`, or None if it can. Without this,
-    NCCL ranks on a host with no GPU fail one by one at init, and each failure reads as the node's."""
+    """Why this host cannot run `ranks_per_node` ranks on `backend`, or None if it can."""
     if backend != "nccl":
         return None
     if not torch.cuda.is_available():
@@ -127,7 +136,7 @@ class NodeAgent:
     def prepare(self, request: Prepare) -> Prepared:
         """Say this agent is here, and whether this host can run the generation; open a fresh
         rendezvous store if this node hosts the generation's."""
-        if (refused := backend_refusal(self.node, request.backend, request.ranks_per_node)) is not None:
+        if (refused := launch_refusal(self.node, request)) is not None:
             log.warning("launch refused", run_id=request.run_id, node=self.node, reason=refused)
             return Prepared(refused=refused)
         rendezvous = None
@@ -334,9 +343,7 @@ class NodeAgent:
 
     async def _start(self, launch: NodeLaunch, skip: set[int]) -> list[RankProcess]:
         argv = resolve_argv(launch.entrypoint)
-        workdir = Path(launch.workdir or ".").absolute()
-        if not workdir.is_dir():
-            raise ValueError(f"workdir {workdir} is not a directory on node {self.node}: fix the run spec's workdir")
+        workdir = Path(launch.workdir or ".").absolute()  # checked when the generation was prepared
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
         ranks = []
         for local_rank, rank in enumerate(launch.ranks):

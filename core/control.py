@@ -33,6 +33,7 @@ class Prepare(BaseModel):
     open_store: bool
     backend: Backend = "gloo"
     ranks_per_node: int = 1
+    workdir: str | None = None
 
 
 class Prepared(BaseModel):

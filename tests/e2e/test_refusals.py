@@ -34,3 +34,20 @@ async def test_nccl_on_nodes_without_cuda_fails_at_launch_and_starts_no_rank(
     await wait_for_fleet(
         client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2"))
     )
+
+
+async def test_a_workdir_missing_on_the_nodes_fails_at_launch_with_the_reason(
+    client: Client, stack: DevStack, tmp_path: Path
+) -> None:
+    spec = json.loads((ROOT / "examples" / "plain-ddp.json").read_text())
+    spec |= {"workdir": str(tmp_path / "not-here"), "checkpoint": {"root": str(tmp_path)}}
+    handle = await client.start_workflow(
+        RunWorkflow.run, RunSpec.model_validate(spec), id=workflow_id("workdir"), task_queue="stayalive"
+    )
+    result = await handle.result()
+
+    assert result.state == RunState.FAILED and result.failure is not None
+    for node in ("n1", "n2"):
+        assert f"{node} has no directory {tmp_path / 'not-here'}: fix the run spec's workdir" in result.failure
+    assert result.interruptions == []
+    assert not list(stack.state_dir.glob(f"nodes/*/runs/{result.run_id}/*/rank-*.log")), "no rank was started"
