@@ -2,6 +2,7 @@ import argparse
 import os
 
 import torch
+import stayalive
 from checkpoint import Checkpointer
 from model import ModelArgs, Transformer
 from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
@@ -94,7 +95,8 @@ def main(args):
     if checkpointer.last_training_time is not None:
         checkpointer.load_optim(model, optim)
 
-    for _ in range(10):
+    run = stayalive.Run(model, optim, target_step=10)
+    for _ in run.steps():
         if args.explicit_prefetching:
             model.unshard()
         x = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
@@ -103,6 +105,7 @@ def main(args):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
+        run.record(loss)
 
     checkpointer.save(model, optim)
     torch.distributed.destroy_process_group()

@@ -130,5 +130,7 @@ class Transformer(nn.Module):
     def reset_parameters(self):
         self.tok_embeddings.reset_parameters()
         self.pos_embeddings.reset_parameters()
+        for layer in self.layers: # else they train from the uninitialized memory of to_empty()
+            layer.reset_parameters()
         self.norm.reset_parameters()
         self.output.reset_parameters()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pickle
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,27 +39,14 @@ def nanogpt_workdir(where: Path) -> Path:
     return where
 
 
-def nanogpt_spec(workdir: Path, checkpoints: Path, target_step: int, **overrides: object) -> RunSpec:
-    """4 ranks on 2 nodes plus a spare, nanoGPT on CPU: a 2-layer model, one micro-batch per rank."""
-    argv = [
+def nanogpt_argv(target_step: int) -> list[str]:
+    """nanoGPT on CPU: a 2-layer model, one micro-batch per rank at 4 ranks."""
+    return [
         "python", "train.py", "--device=cpu", "--backend=gloo", "--compile=False", "--dtype=float32",
         "--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--gradient_accumulation_steps=4", f"--max_iters={target_step - 1}", "--eval_interval=100000",
         "--eval_iters=2", "--log_interval=100000", "--warmup_iters=5", f"--lr_decay_iters={target_step}",
     ]  # fmt: skip
-    spec: dict[str, object] = {
-        "name": "nanogpt",
-        "world_size": 4,
-        "ranks_per_node": 2,
-        "nodes": ["n1", "n2"],
-        "spare_nodes": ["n3"],
-        "min_nodes": 2,
-        "entrypoint": argv,
-        "workdir": str(workdir),
-        "target_step": target_step,
-        "checkpoint": {"root": str(checkpoints), "interval": "5 steps"},
-    }
-    return RunSpec.model_validate(spec | overrides)
 
 
 def fsdp2_workdir(where: Path) -> Path:
@@ -67,20 +56,34 @@ def fsdp2_workdir(where: Path) -> Path:
     return where
 
 
-def fsdp2_spec(workdir: Path, checkpoints: Path, target_step: int, **overrides: object) -> RunSpec:
-    spec: dict[str, object] = {
-        "name": "fsdp2",
-        "world_size": 4,
-        "ranks_per_node": 2,
-        "nodes": ["n1", "n2"],
-        "spare_nodes": ["n3"],
-        "min_nodes": 2,
-        "entrypoint": ["python", "example.py"],
-        "workdir": str(workdir),
-        "target_step": target_step,
-        "checkpoint": {"root": str(checkpoints), "interval": "5 steps"},
-    }
-    return RunSpec.model_validate(spec | overrides)
+@dataclass(frozen=True)
+class Example:
+    name: str
+    workdir: Callable[[Path], Path]  # a fresh copy of its files (and data) under the given directory
+    argv: Callable[[int], list[str]]  # its command line, to train until the given step
+    hang_in: str  # the collective a rank hangs in at a step, as the hang's record names it
+    steps: int  # a run long enough to act on while it runs (its step time is the script's own)
+
+    def spec(self, workdir: Path, checkpoints: Path, target_step: int, **overrides: object) -> RunSpec:
+        """4 ranks on 2 nodes plus a spare, the example's own command line in its own directory."""
+        spec: dict[str, object] = {
+            "name": self.name,
+            "world_size": 4,
+            "ranks_per_node": 2,
+            "nodes": ["n1", "n2"],
+            "spare_nodes": ["n3"],
+            "min_nodes": 2,
+            "entrypoint": self.argv(target_step),
+            "workdir": str(workdir),
+            "target_step": target_step,
+            "checkpoint": {"root": str(checkpoints), "interval": "5 steps"},
+        }
+        return RunSpec.model_validate(spec | overrides)
+
+
+NANOGPT = Example("nanogpt", nanogpt_workdir, nanogpt_argv, "the gradient all-reduce", steps=80)
+# FSDP2's own collectives are not counted; the API's vote after each step is, and a hang stalls it.
+FSDP2 = Example("fsdp2", fsdp2_workdir, lambda _: ["python", "example.py"], "the step's command vote", steps=40)
 
 
 def final_weights(checkpoints: list[CheckpointRecord], step: int) -> dict[str, torch.Tensor]:
