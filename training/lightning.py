@@ -2,7 +2,8 @@
 
     from stayalive.training.lightning import StayaliveCallback
 
-    loader = StatefulDataLoader(dataset, batch_size=..., shuffle=True)   # torchdata: a resumable position
+    sampler = StatefulDistributedSampler(dataset, seed=0)             # torchdata: resumable order and position
+    loader = StatefulDataLoader(dataset, batch_size=..., sampler=sampler)
     trainer = L.Trainer(strategy="ddp", max_steps=..., callbacks=[StayaliveCallback()])
     trainer.fit(module, loader)
 
