@@ -83,7 +83,7 @@ class Example:
 
 NANOGPT = Example("nanogpt", nanogpt_workdir, nanogpt_argv, "the gradient all-reduce", steps=80)
 # FSDP2's own collectives are not counted; the API's vote after each step is, and a hang stalls it.
-FSDP2 = Example("fsdp2", fsdp2_workdir, lambda _: ["python", "example.py"], "the step's command vote", steps=40)
+FSDP2 = Example("fsdp2", fsdp2_workdir, lambda _: ["python", "example.py"], "the step's command vote", steps=25)
 
 
 def final_weights(checkpoints: list[CheckpointRecord], step: int) -> dict[str, torch.Tensor]:
