@@ -19,6 +19,10 @@ from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
 
 RUNS = 10
+# An epoch of the tutorial script takes a tenth to a quarter of a second here: a kill after epoch 4 has
+# sixteen epochs (two to four seconds) to land mid-run, and a run takes six seconds, not ten.
+EPOCHS = 20
+KILL_AFTER = 4
 
 
 def plain_spec(entrypoint: list[str], checkpoint_root: Path, **health: object) -> RunSpec:
@@ -45,12 +49,12 @@ async def test_a_tutorial_shaped_ddp_script_completes_ten_times_in_a_row_with_a_
             client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in nodes)
         )
         snapshot = tmp_path / f"snapshot-{i}.pt"
-        entrypoint = ["python", "examples/tutorial_ddp.py", "--epochs", "60", "--snapshot", str(snapshot)]
+        entrypoint = ["python", "examples/tutorial_ddp.py", "--epochs", str(EPOCHS), "--snapshot", str(snapshot)]
         spec = plain_spec(entrypoint, tmp_path, exit_grace="60s")
         handle = await client.start_workflow(RunWorkflow.run, spec, id=workflow_id("tutorial"), task_queue="stayalive")
         deadline = time.monotonic() + 60
-        while epochs_run(snapshot) < 15:
-            assert time.monotonic() < deadline, f"run {i}: no snapshot past epoch 15"
+        while epochs_run(snapshot) < KILL_AFTER:
+            assert time.monotonic() < deadline, f"run {i}: no snapshot past epoch {KILL_AFTER}"
             await asyncio.sleep(0.05)
         victim = ("n1", 1) if i % 2 == 0 else ("n2", 2)
         os.kill((await rank_pids(client, handle))[victim[0]][victim[1]], signal.SIGKILL)
@@ -58,7 +62,7 @@ async def test_a_tutorial_shaped_ddp_script_completes_ten_times_in_a_row_with_a_
         result = await handle.result()
         assert result.state == RunState.COMPLETED, f"run {i}: {result.state} {result.failure}"
         assert [(x.cause, x.node, x.rank) for x in result.interruptions] == [(Cause.CRASH, *victim)], f"run {i}"
-        assert epochs_run(snapshot) == 60
+        assert epochs_run(snapshot) == EPOCHS
         status = await handle.query(RunWorkflow.status_query)
         assert status.detection_counts.get("lingered", 0) == 0, f"run {i}: ranks lingered at exit"
 
