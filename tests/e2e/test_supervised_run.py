@@ -112,7 +112,8 @@ async def test_plain_torchrun_script_restarts_after_a_killed_rank(
     """examples/plain_ddp.py imports nothing of stayalive; a crash restarts it like torchrun would."""
     spec = json.loads((ROOT / "examples" / "plain-ddp.json").read_text())
     own = tmp_path / "own-checkpoints"
-    spec["entrypoint"] = ["python", "examples/plain_ddp.py", "--steps", "800", "--checkpoint-every", "50"]
+    # Killed once its second checkpoint (step 100) is on disk: 200 steps later it is still far from done.
+    spec["entrypoint"] = ["python", "examples/plain_ddp.py", "--steps", "300", "--checkpoint-every", "50"]
     spec["entrypoint"] += ["--checkpoint-dir", str(own)]
     spec["checkpoint"] = {"root": str(tmp_path)}
     handle = await client.start_workflow(RunWorkflow.run, spec, id=workflow_id("plain"), task_queue="stayalive")
@@ -123,7 +124,7 @@ async def test_plain_torchrun_script_restarts_after_a_killed_rank(
     result = await handle.result()
     assert result.state == RunState.COMPLETED
     assert [(i.cause, i.node, i.rank) for i in result.interruptions] == [(Cause.CRASH, "n1", 1)]
-    assert (own / "step-000800.pt").exists()
+    assert (own / "step-000300.pt").exists()
     status = await handle.query(RunWorkflow.status_query)
     # n1 is quarantined after the crash: generation 1's rank 0 runs wherever the fleet placed it.
     (restarted,) = stack.state_dir.glob(f"nodes/*/runs/{status.run_id}/g1/rank-0.log")
