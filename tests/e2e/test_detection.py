@@ -43,20 +43,30 @@ ENTRYPOINT = [
 HEALTHY_JOB_ENV = {"STAYALIVE_TEST_JOB": "healthy-baseline"}
 
 
-def detection_spec(root: Path, device_ms: int = 30, **overrides: object) -> RunSpec:
+HEALTH: dict[str, object] = {"baseline_windows": 2, "straggler_steps": 20}
+
+
+def detection_spec(root: Path, device_ms: int = 30, health: dict[str, object] = HEALTH, **overrides: object) -> RunSpec:
     return tiny_spec(
         root,
         entrypoint=[*ENTRYPOINT[:-1], str(device_ms)],
         checkpoint={"root": str(root), "interval": "50 steps"},
-        health={"baseline_windows": 2, "straggler_steps": 20},
+        health=health,
         **overrides,
     )
+
+
+# A hang at step 60 resumes from the checkpoint of step 50: 50 steps more make the run complete.
+HANG_TARGET = 100
+# Where a test asserts how a hang is named, not when: a step timeout of 5 s (a hundred of these ~50 ms
+# steps) instead of auto's 10 s floor, which the first hang test holds the run to.
+NAMED_HANG_HEALTH = HEALTH | {"step_timeout": "5s"}
 
 
 async def test_a_hang_inside_the_collective_names_the_rank_and_quarantines_its_node(
     client: Client, checkpoint_root: Path
 ) -> None:
-    spec = detection_spec(checkpoint_root, target_step=150, faults=[{"kind": "hang", "rank": 3, "at_step": 60}])
+    spec = detection_spec(checkpoint_root, target_step=HANG_TARGET, faults=[{"kind": "hang", "rank": 3, "at_step": 60}])
     handle = await start(client, spec, "hang")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
@@ -90,7 +100,8 @@ async def test_a_hang_with_the_same_stack_on_every_rank_is_named_by_collective_c
     """Rank 3 stalls at the very call site of the gradient all-reduce and never issues it: every
     rank's stack is the same, and only the counts of collectives entered tell it apart."""
     faults = [{"kind": "collective_hang", "rank": 3, "at_step": 60}]
-    handle = await start(client, detection_spec(checkpoint_root, target_step=150, faults=faults), "same-stack")
+    spec = detection_spec(checkpoint_root, target_step=HANG_TARGET, faults=faults, health=NAMED_HANG_HEALTH)
+    handle = await start(client, spec, "same-stack")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
     (hang,) = result.interruptions
@@ -113,7 +124,8 @@ async def test_a_hang_where_every_rank_is_inside_the_collective_blames_nobody(
     the same collective with the same stack. Nothing names a rank, the timeline says so, and the
     run restarts on the same nodes with nobody quarantined."""
     faults = [{"kind": "collective_hang", "rank": 3, "at_step": 60, "where": "inside"}]
-    handle = await start(client, detection_spec(checkpoint_root, target_step=150, faults=faults), "all-inside")
+    spec = detection_spec(checkpoint_root, target_step=HANG_TARGET, faults=faults, health=NAMED_HANG_HEALTH)
+    handle = await start(client, spec, "all-inside")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
     (hang,) = result.interruptions
