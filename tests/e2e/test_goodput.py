@@ -90,7 +90,9 @@ async def test_the_ledger_adds_up_to_wall_clock_and_metrics_serve_it(
     spec = tiny_spec(
         checkpoint_root,
         entrypoint=ENTRYPOINT,
-        target_step=800,
+        # 250 steps (15 s or more) after the crash: the run still trains while /metrics is scraped,
+        # which serves open runs only and refreshes every 5 s.
+        target_step=500,
         checkpoint={"root": str(checkpoint_root), "interval": "100 steps"},
         health={"straggler_steps": 20, "slowness_tally": "2s"},
         paging={"jsonl": str(pages)},
