@@ -101,6 +101,19 @@ class BitFlip(_Fault):
         return f"a bit flips in rank {self.rank}'s gradient at step {self.at_step}"
 
 
+class WeightFlip(_Fault):
+    """One bit of one element of the rank's weights flips before the update (a memory fault): from
+    then on its data-parallel replica differs from every other rank's."""
+
+    kind: Literal["weightflip"] = "weightflip"
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+    bit: int = Field(default=22, ge=0, le=31)
+
+    def __str__(self) -> str:
+        return f"a bit flips in rank {self.rank}'s weights at step {self.at_step}"
+
+
 class FlakyRank(_Fault):
     """The rank's GPU flips a gradient bit with `probability` each step (an intermittent SDC)."""
 
@@ -304,6 +317,7 @@ Fault = Annotated[
         Straggler,
         Slowdown,
         BitFlip,
+        WeightFlip,
         FlakyRank,
         WrongRank,
         NanLoss,

@@ -138,10 +138,10 @@ class SdcCheck(_Message):
     culprit rank and the newest step at which a check had passed: the rollback's watermark."""
 
     t: Literal["sdc"] = "sdc"
-    rank: int  # who reports it: the replaying rank (self), rank 0 (cross)
+    rank: int  # who reports it: the replaying rank (self), rank 0 (cross, replicas)
     generation: int
     step: int
-    method: Literal["self", "cross"]
+    method: Literal["self", "cross", "replicas"]
     passed: bool
     culprit: int | None = None
     difference: float | None = None  # cross: ‖g_a − g_b‖ / ‖g_a‖ for the same micro-batch

@@ -31,6 +31,7 @@ from stayalive.core.faults import (
     Slowdown,
     StorageOutage,
     Straggler,
+    WeightFlip,
     WrongRank,
 )
 from stayalive.training import collectives
@@ -73,18 +74,24 @@ class FaultInjector:
             return loss * float("nan")
         return loss
 
-    def after_backward(self, step: int, params: list[torch.nn.Parameter]) -> None:
+    def after_backward(self, step: int, grads: list[torch.Tensor]) -> None:
         """Corrupt this step's gradient as a faulty GPU would (not its replays: a transient fault)."""
         for fault in self.faults:
             transient = isinstance(fault, BitFlip) and fault.at_step == step
             flaky = isinstance(fault, FlakyRank) and random.Random(f"{self.rank}/{step}").random() < fault.probability
             if isinstance(fault, BitFlip | FlakyRank) and (transient or flaky):
-                _flip_bit(params, step, fault.bit)
+                _flip_bit(grads, step, fault.bit, "gradient")
             elif isinstance(fault, GradSpike) and fault.at_step == step:
                 log.warning("injected gradient spike", factor=fault.factor)
-                for param in params:
-                    if param.grad is not None:
-                        param.grad.mul_(fault.factor)
+                for grad in grads:
+                    grad.mul_(fault.factor)
+
+    def before_update(self, step: int, params: list[torch.nn.Parameter]) -> None:
+        """Corrupt this rank's weights, once its gradient is all-reduced (a memory fault): its replica
+        goes its own way from here."""
+        for fault in self.faults:
+            if isinstance(fault, WeightFlip) and fault.at_step == step:
+                _flip_bit([p.data for p in params], step, fault.bit, "weights")
 
     def before_collective(self, step: int, compute_s: float) -> None:
         """After backward, before the gradient all-reduce: where a dying, hanging or slow GPU shows.
@@ -164,15 +171,15 @@ def _scaled_by(scale: float) -> Callable[[torch.nn.Module, object, torch.Tensor]
     return lambda _module, _inputs, output: output * scale
 
 
-def _flip_bit(params: list[torch.nn.Parameter], step: int, bit: int) -> None:
-    """Flip `bit` of one float32 gradient element, chosen by the step (its own RNG: the run's stays untouched)."""
-    grads = [p.grad for p in params if p.grad is not None and p.grad.dtype == torch.float32]
+def _flip_bit(tensors: list[torch.Tensor], step: int, bit: int, what: str) -> None:
+    """Flip `bit` of one float32 element, chosen by the step (its own RNG: the run's stays untouched)."""
+    candidates = [t for t in tensors if t.dtype == torch.float32 and t.numel() > 0]
     choice = random.Random(step)
-    grad = grads[choice.randrange(len(grads))]
-    index = choice.randrange(grad.numel())
-    words = grad.view(-1).view(torch.int32)
+    tensor = candidates[choice.randrange(len(candidates))]
+    index = choice.randrange(tensor.numel())
+    words = tensor.view(-1).view(torch.int32)
     words[index] ^= 1 << bit if bit < 31 else -(1 << 31)
-    log.warning("injected bit flip", bit=bit, element=index, value=float(grad.view(-1)[index]))
+    log.warning("injected bit flip", of=what, bit=bit, element=index, value=float(tensor.view(-1)[index]))
 
 
 def _damage(directory: Path, fault: CorruptCheckpoint) -> None:

@@ -14,8 +14,10 @@ A loop with a counter of its own, or a framework's callbacks, brackets each step
 (checkpoint now, hold, exit, a new interval) carried out by every rank at the same agreed step;
 asynchronous DCP checkpoints of the model, optimizer, data loader and every rank's RNG streams,
 committed atomically with digests, kept in host memory with a peer replica, validated by the
-supervisor before any resume, and restored at any world size; and collective counts for a hang's
-culprit (a DistributedDataParallel model's gradient all-reduces are counted through a comm hook).
+supervisor before any resume, and restored at any world size; collective counts for a hang's
+culprit (a DistributedDataParallel model's gradient all-reduces are counted through a comm hook);
+and the SDC checks before each update (training/loop_checks.py), the replay self-check included
+where the loop hands its step over with `run.replay_with(...)`.
 
 Ranks agree on commands by summing their votes: in the step's first DDP gradient all-reduce, which
 costs no collective, or else (FSDP2, no DDP) in one small all-reduce on a gloo group of the API's
@@ -36,7 +38,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from stayalive.core.hangs import Site
-from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE
+from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
 from stayalive.training import collectives, memory
 from stayalive.training.channel import AgentChannel
@@ -61,10 +63,11 @@ from stayalive.training.commit import Committer
 from stayalive.training.dcp_format import DcpManifest
 from stayalive.training.faults import FaultInjector
 from stayalive.training.logs import configure_logging
+from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.rng import rng_state, set_rng_state
 from stayalive.training.state import reseed
 from stayalive.training.state_checkpointer import StateCheckpointer
-from stayalive.training.state_restore import restore_state
+from stayalive.training.state_restore import agreed_checkpoint, restore_state
 from stayalive.training.supervision import Supervision, SupervisionConfig
 
 log = structlog.get_logger()
@@ -109,6 +112,7 @@ class Run:
         self._votes: torch.Tensor | None = None  # every rank's vote, summed, once this step's has ridden a bucket
         self._vote_sent = False
         self._finished = False
+        self.checks: LoopChecks | None = None
         if "STAYALIVE_RUN_ID" not in os.environ:
             if target_step is None:
                 raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
@@ -130,6 +134,18 @@ class Run:
         checkpoint_group = dist.new_group(backend="gloo")
         self.faults = FaultInjector(config.faults, self.rank, config.generation, self.world_size)
         self.supervision = Supervision(config, self.rank, self.world_size, self.channel, group=self.control)
+        if optimizer is not None:
+            self.checks = LoopChecks(
+                config.sdc,
+                self.rank,
+                self.world_size,
+                config.generation,
+                model,
+                optimizer,
+                self.faults,
+                self._report,
+                self._halt,
+            )
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -143,7 +159,7 @@ class Run:
             tier,
             self.faults,
         )
-        resume = self._resume_from(config)
+        resume = agreed_checkpoint(config.resume_from, self.rank, self.world_size, self.control)
         self.checkpointer = StateCheckpointer(
             committer,
             self.rank,
@@ -182,6 +198,8 @@ class Run:
         step = self.step + 1
         structlog.contextvars.bind_contextvars(step=step)
         collectives.at_step(step)
+        if self.checks is not None:
+            self.checks.begin(step)
         self._loss, self._samples, self._compute_s = None, [], None
         self._votes, self._vote_sent = None, False
         self._started = time.perf_counter()
@@ -216,7 +234,7 @@ class Run:
         if decision.speeds is not None:
             log.warning("rebalance ignored: a user's loop decides its own batch split")
         if decision.checkpoint:
-            self.checkpointer.save(step, self._state())
+            self.checkpointer.save(step, self._state(), self._last_verified())
         if decision.hold:
             self._hold()
         return not decision.stop and step < self.target_step
@@ -240,7 +258,17 @@ class Run:
 
     def checkpoint(self) -> float:
         """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
-        return self.checkpointer.save(self.step, self._state()) if self.config is not None else 0.0
+        if self.config is None:
+            return 0.0
+        return self.checkpointer.save(self.step, self._state(), self._last_verified())
+
+    def replay_with(self, replay: Callable[[], object]) -> None:
+        """This step's forward and backward, as `replay()` computes them again (from the same inputs,
+        deterministically): call it before the optimizer's step. Where this rank's bitwise self-check
+        is due (every `sdc.self_check_every` steps, one rank in turn), it runs before the update,
+        without the gradient all-reduce, and must give bitwise the gradient the step computed."""
+        if self.checks is not None:
+            self.checks.replay = replay
 
     # -- between steps -------------------------------------------------------------------------------
 
@@ -255,6 +283,8 @@ class Run:
     def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Each gradient bucket's all-reduce, counted; the step's first (of a float32/64 gradient,
         which counts exactly) carries the command vote."""
+        if self.checks is not None:
+            self.checks.before_all_reduce(bucket, first=self._compute_s is None)
         self._before_collectives()
         if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
             return collectives.ddp_all_reduce(None, bucket, per_tensor=self.exact_resume)
@@ -264,6 +294,16 @@ class Run:
 
     def _votes_arrived(self, votes: torch.Tensor) -> None:
         self._votes = votes
+
+    def _last_verified(self) -> int:
+        return self.checks.last_verified if self.checks is not None else 0
+
+    def _halt(self) -> None:
+        """An SDC check failed on every rank at once: nothing of this state may go on. The checkpoints
+        already saved reach storage (the workflow judges them by their watermark); then wait to be stopped."""
+        self.checkpointer.wait()
+        self.supervision.await_rejoin()
+        sys.exit(EXIT_SDC)
 
     def _hold(self) -> None:
         """Held at an agreed step: the checkpoint just saved reaches storage, then this process either
@@ -302,26 +342,6 @@ class Run:
         state[f"ranks/{self.rank}"] = buffer.getvalue()
         return state
 
-    def _resume_from(self, config: SupervisionConfig) -> Path | None:
-        """The checkpoint every rank resumes from: the one the lowest rank that names one names. After
-        a hold only the survivors know it (the workflow names none for a generation they rejoin), and
-        newcomers (a spare) know nothing."""
-        known = str(config.resume_from or "").encode()
-        lengths = torch.zeros(self.world_size, dtype=torch.int64)
-        lengths[self.rank] = len(known)
-        dist.all_reduce(lengths, group=self.control)
-        source = next((r for r in range(self.world_size) if lengths[r] > 0), None)
-        if source is None:
-            return None
-        buffer = torch.zeros(int(lengths[source]), dtype=torch.uint8)
-        if self.rank == source:
-            buffer[:] = torch.frombuffer(bytearray(known), dtype=torch.uint8)
-        dist.broadcast(buffer, src=source, group=self.control)
-        agreed = buffer.numpy().tobytes()
-        if known and known != agreed:
-            log.warning("resuming from the group's checkpoint, not this rank's", own=known.decode())
-        return Path(agreed.decode())
-
     def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup) -> None:
         assert self.config is not None
         mine = f"ranks/{self.rank}"
@@ -347,6 +367,8 @@ class Run:
         for name, obj in self.shared.items():
             obj.load_state_dict(loaded[f"state/{name}"])
         self.step = restored.manifest.step
+        if self.checks is not None:
+            self.checks.last_verified = restored.manifest.last_verified_step
         if mine in loaded:
             own = torch.load(io.BytesIO(loaded[mine]), weights_only=True)
             set_rng_state(own.pop("rng"))

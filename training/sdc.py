@@ -8,7 +8,11 @@ Three layers, cheapest first:
   device with the same kernels and compares with `==`; any difference is a hardware fault;
 - a cross-rank check every ~10N steps: two ranks in different failure domains compute the same
   micro-batch and compare at a tolerance calibrated on this run's ranks, which catches the rank that
-  is wrong the same way every time (a self-check cannot); a third rank breaks the tie.
+  is wrong the same way every time (a self-check cannot); a third rank breaks the tie;
+- a replica check every N steps: data-parallel ranks must hold bitwise the same weights and the same
+  all-reduced gradient, so each fingerprints both and they compare (as Megatron-LM's weight-hash
+  check across data-parallel replicas does); the rank that differs from the others kept or received
+  wrong numbers, at any step since the last check.
 
 Results travel in three extra slots of the gradient all-reduce (no extra collective, no extra
 sync), so every rank knows at the same step whether to skip the update, whether a check passed (the
@@ -18,8 +22,8 @@ verification watermark every checkpoint records), and who failed one.
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +40,21 @@ NORM_HISTORY = 200  # gradient norms kept for the running p99
 NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
 P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free
 FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
+FINGERPRINT_CHUNK = 1 << 22  # words fingerprinted at a time: the int64 copy stays small
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
+    """A position-weighted sum of the tensors' 32-bit words: one flipped bit anywhere changes it."""
+    total = torch.zeros((), dtype=torch.int64)
+    offset = 0
+    for tensor in tensors:
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        words = data.view(torch.int32) if data.numel() % 4 == 0 else data
+        for chunk in words.split(FINGERPRINT_CHUNK):
+            weights = torch.arange(offset, offset + chunk.numel(), dtype=torch.int64) % 65521 + 1
+            total += (chunk.to(torch.int64) * weights).sum()
+            offset += chunk.numel()
+    return int(total)
 
 
 def flat_grads(params: list[torch.nn.Parameter], *tail: torch.Tensor) -> torch.Tensor:
@@ -191,6 +210,45 @@ class SdcGuard:
         collectives.all_reduce(delta, Site.SDC_CHECK)
         return float(delta[:-1].norm() / delta[-1].clamp_min(1e-30))
 
+    # -- the replica check (every rank's fingerprint, gathered by one all-reduce) --------------------
+
+    def replicas_due(self, step: int) -> bool:
+        return self.spec.enabled and self.world_size >= 2 and step % self.spec.self_check_every == 0
+
+    def gather(self, tensors: Iterable[torch.Tensor], blamed: int = 0) -> tuple[list[int], int]:
+        """One all-reduce (a collective: every rank calls it at a due step): every rank's fingerprint
+        of `tensors`, and `blamed` summed (1 + the rank a self-check blames, 0 from everyone else)."""
+        slots = torch.zeros(self.world_size + 1, dtype=torch.int64)
+        slots[self.rank] = fingerprint(tensors)
+        slots[-1] = blamed
+        collectives.all_reduce(slots, Site.SDC_CHECK)
+        *prints, blame = slots.tolist()
+        return prints, blame
+
+    def replicas(self, step: int, fingerprints: list[int]) -> SdcCheck:
+        """Every rank's fingerprint of its weights and all-reduced gradient. The odd one out is the
+        culprit; with no majority (two ranks, or several odd ones) the check fails naming nobody."""
+        (common, holders), *_ = Counter(fingerprints).most_common()
+        odd = [r for r, value in enumerate(fingerprints) if value != common]
+        culprit = odd[0] if len(odd) == 1 and holders > 1 else None
+        if not odd:
+            detail = f"the {self.world_size} replicas' weights and gradients are bitwise equal"
+        elif culprit is not None:
+            detail = f"rank {culprit}'s weights or gradient differ from the other {holders} replicas'"
+        else:
+            others = sorted(set(range(self.world_size)) - set(odd))
+            detail = f"no majority among the replicas: ranks {odd} differ from ranks {others}"
+        return SdcCheck(
+            rank=self.rank,
+            generation=self.generation,
+            step=step,
+            method="replicas",
+            passed=not odd,
+            culprit=culprit,
+            last_verified=self.last_verified,
+            detail=detail,
+        )
+
     # -- the flags that ride the gradient all-reduce -------------------------------------------------
 
     def flags(self, loss: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
@@ -238,24 +296,34 @@ class SdcGuard:
             self.last_verified = step
         # One pass over what the all-reduce returned: a NaN or inf on any rank reaches the summed
         # gradient and loss, so only a step that has one looks at this rank's own numbers.
-        norm = float(grads.norm())
-        if not (math.isfinite(norm) and math.isfinite(total_loss)):
+        norm = float(grads.norm()) if math.isfinite(total_loss) else math.nan
+        mine = [loss, *(p.grad for p in params if p.grad is not None)]
+        verdict = self.screen(step, norm, lambda: not all(bool(torch.isfinite(t).all()) for t in mine))
+        verdict.reports[:0] = reports
+        return verdict
+
+    def screen(self, step: int, norm: float, went_nonfinite: Callable[[], bool | None]) -> Verdict:
+        """The invariants on the all-reduced gradient's norm, the same on every rank: non-finite, or a
+        spike. `went_nonfinite()`: whether this rank's own numbers did (None: not known here, and rank
+        0 reports it for everyone)."""
+        if not math.isfinite(norm):
             why = "non-finite loss or gradient"
-            mine = [loss, *(p.grad for p in params if p.grad is not None)]
-            if not all(bool(torch.isfinite(t).all()) for t in mine):
-                reports.append(self._anomaly(step, "nonfinite", f"{why} on rank {self.rank}: update skipped"))
+            own = went_nonfinite()
+            reports: list[Anomaly | SdcCheck] = []
+            if own or (own is None and self.rank == 0):
+                where = f"on rank {self.rank}" if own else "in the all-reduced gradient"
+                reports.append(self._anomaly(step, "nonfinite", f"{why} {where}: update skipped"))
             return Verdict(apply=False, skipped=why, reports=reports)
         ceiling = self.spec.grad_spike_factor * self.p99
         if norm > ceiling:
             why = f"gradient norm {norm:.3g} > {ceiling:.3g} ({self.spec.grad_spike_factor:g} × the running p99)"
-            if self.rank == 0:
-                reports.append(self._anomaly(step, "grad_spike", f"{why}: update skipped"))
-            return Verdict(apply=False, skipped=why, reports=reports)
+            spike = [self._anomaly(step, "grad_spike", f"{why}: update skipped")] if self.rank == 0 else []
+            return Verdict(apply=False, skipped=why, reports=list(spike))
         self.norms.append(norm)
         self.counted += 1
         if self.counted >= NORMS_BEFORE_SPIKES and self.counted % P99_EVERY == 0:
             self.p99 = sorted(self.norms)[math.ceil(0.99 * len(self.norms)) - 1]  # nearest rank
-        return Verdict(reports=reports)
+        return Verdict()
 
     def _anomaly(self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str) -> Anomaly:
         return Anomaly(rank=self.rank, generation=self.generation, step=step, kind=kind, detail=detail)

@@ -93,3 +93,24 @@ def restore_state(
     seconds = time.perf_counter() - started
     log.info("restored", checkpoint=directory.name, source=source, seconds=round(seconds, 3))
     return RestoredState(manifest=manifest, state=state, source=source, seconds=seconds)
+
+
+def agreed_checkpoint(known: Path | None, rank: int, world_size: int, group: dist.ProcessGroup) -> Path | None:
+    """The checkpoint every rank resumes from: the one the lowest rank that names one names. After
+    a hold only the survivors know it (the workflow names none for a generation they rejoin), and
+    newcomers (a spare) know nothing."""
+    mine = str(known or "").encode()
+    lengths = torch.zeros(world_size, dtype=torch.int64)
+    lengths[rank] = len(mine)
+    dist.all_reduce(lengths, group=group)
+    source = next((r for r in range(world_size) if lengths[r] > 0), None)
+    if source is None:
+        return None
+    buffer = torch.zeros(int(lengths[source]), dtype=torch.uint8)
+    if rank == source:
+        buffer[:] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    dist.broadcast(buffer, src=source, group=group)
+    agreed = buffer.numpy().tobytes()
+    if mine and mine != agreed:
+        log.warning("resuming from the group's checkpoint, not this rank's", own=mine.decode())
+    return Path(agreed.decode())

@@ -102,7 +102,7 @@ def train(
         if device_s:  # an accelerator's time grows with the samples it computes
             time.sleep(device_s * len(positions) * world_size / stream.global_batch)
         if not replay:
-            faults.after_backward(step, params)
+            faults.after_backward(step, [p.grad for p in params if p.grad is not None])
         return loss.detach()
 
     guard.calibrate(params, lambda r: backward(state.step + 1, r, replay=True))
@@ -119,6 +119,10 @@ def train(
         flat = flat_grads(params, guard.flags(loss, checks), supervision.votes())
         collectives.all_reduce(flat, Site.GRADIENTS)
         reduced, flags, votes = flat.split([flat.numel() - FLAGS - VOTES, FLAGS, VOTES])
+        faults.before_update(step, params)
+        if guard.replicas_due(step):
+            fingerprints, _ = guard.gather([*params, reduced])
+            checks.append(guard.replicas(step, fingerprints))
         verdict = guard.judge(step, loss, params, flags, reduced, checks)  # params: still this rank's gradients
         set_grads(params, reduced)
         if verdict.apply:

@@ -96,6 +96,13 @@ async def hang(book: RunBook, event: Hang) -> Interruption:
     return interruption
 
 
+DETECTED_BY = {
+    "self": "bitwise self-check replay",
+    "cross": "cross-rank check",
+    "replicas": "cross-rank check of data-parallel replicas",
+}
+
+
 async def sdc(book: RunBook, event: SdcDetected) -> Interruption:
     """A check failed and every rank halted before the step's update. What was computed after the
     last passing check may be corrupt: those checkpoints become suspect, the culprit's node is
@@ -107,7 +114,7 @@ async def sdc(book: RunBook, event: SdcDetected) -> Interruption:
     interruption = Interruption(
         at=workflow.now(),
         generation=status.generation,
-        detected_by="bitwise self-check replay" if check.method == "self" else "cross-rank check",
+        detected_by=DETECTED_BY[check.method],
         cause=Cause.SDC,
         node=node,
         rank=check.culprit,

@@ -50,6 +50,31 @@ async def test_a_transient_bit_flip_rolls_back_to_the_verified_ancestor_and_ends
     assert_bitwise_equal(final_state(records), reference_run)
 
 
+async def test_a_flipped_weight_splits_one_replica_from_the_others_and_the_replica_check_names_it(
+    client: Client, checkpoint_root: Path, reference_run: dict[str, torch.Tensor]
+) -> None:
+    # Rank 2's weights take a bit flip at step 13, after its gradient all-reduce: every replay of
+    # its own is consistent, but at step 20 its fingerprint is not the other three ranks'.
+    spec = tiny_spec(
+        checkpoint_root,
+        target_step=REFERENCE_STEPS,
+        checkpoint={"root": str(checkpoint_root), "interval": "5 steps"},
+        sdc={"self_check_every": 10},
+        faults=[{"kind": "weightflip", "rank": 2, "at_step": 13}],
+    )
+    handle = await start(client, spec, "weightflip")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED
+    (sdc,) = result.interruptions
+    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, 2, "n2")
+    assert sdc.detected_by == "cross-rank check of data-parallel replicas"
+    assert sdc.sdc_check is not None and (sdc.sdc_check.step, sdc.sdc_check.last_verified) == (20, 10)
+    assert sdc.resumed_from == 10
+    records = await handle.query(RunWorkflow.checkpoints)
+    assert {c.step for c in records if c.generation == 0 and c.suspect} >= {15}
+    assert_bitwise_equal(final_state(records), reference_run)
+
+
 async def test_a_deterministically_wrong_rank_passes_its_self_checks_and_fails_the_cross_check(
     client: Client, checkpoint_root: Path
 ) -> None:

@@ -8,6 +8,7 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from temporalio.client import Client
 
@@ -44,6 +45,22 @@ async def uninterrupted(client: Client, tmp_path: Path) -> tuple[dict[str, torch
     return torch.load(out, weights_only=True), trained_samples(samples)
 
 
+Reference = tuple[dict[str, torch.Tensor], dict[tuple[int, int], str]]
+
+
+@pytest.fixture(scope="module")
+async def reference(client: Client, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return await uninterrupted(client, tmp_path_factory.mktemp("user-loop-reference"))
+
+
+def assert_ends_as_uninterrupted(out: Path, samples: Path, reference: Reference) -> None:
+    weights, reference_samples = reference
+    final = torch.load(out, weights_only=True)
+    assert final.keys() == weights.keys()
+    assert trained_samples(samples) == reference_samples, "a sample was lost or repeated"
+    assert all(torch.equal(final[k], weights[k]) for k in final), "final weights differ from an uninterrupted run"
+
+
 def trained_samples(path: Path) -> dict[tuple[int, int], str]:
     """(step, rank) → the samples of the step as it stands: a step trained again after a restart
     replaces what the lost generation trained at it."""
@@ -52,7 +69,7 @@ def trained_samples(path: Path) -> dict[tuple[int, int], str]:
 
 
 async def test_a_killed_rank_resumes_from_host_memory_bitwise_and_no_sample_is_lost_or_repeated(
-    client: Client, tmp_path: Path
+    client: Client, tmp_path: Path, reference: Reference
 ) -> None:
     out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
     handle = await start(client, loop_spec(tmp_path / "checkpoints", out, samples), "user-loop-kill")
@@ -64,11 +81,65 @@ async def test_a_killed_rank_resumes_from_host_memory_bitwise_and_no_sample_is_l
     (crash,) = result.interruptions
     assert (crash.cause, crash.rank, crash.restored_from) == (Cause.CRASH, 3, "memory")
     assert crash.resumed_from is not None and crash.resumed_from >= 10
-    weights, reference_samples = await uninterrupted(client, tmp_path)
-    final = torch.load(out, weights_only=True)
-    assert final.keys() == weights.keys()
-    assert trained_samples(samples) == reference_samples, "a sample was lost or repeated"
-    assert all(torch.equal(final[k], weights[k]) for k in final), "final weights differ from an uninterrupted run"
+    assert_ends_as_uninterrupted(out, samples, reference)
+
+
+async def test_a_bit_flip_in_a_ranks_gradient_fails_its_replay_and_the_run_rolls_back_past_it(
+    client: Client, tmp_path: Path, reference: Reference
+) -> None:
+    # Checks every 10 steps, checkpoints every 5: the replica checks at 10 and 20 pass; at 30 it is
+    # rank 3's turn to replay its step (the loop hands it over), and rank 3's gradient had a bit flipped.
+    out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
+    faults = [{"kind": "bitflip", "rank": 3, "at_step": 30}]
+    spec = loop_spec(tmp_path / "checkpoints", out, samples, sdc={"self_check_every": 10}, faults=faults)
+    handle = await start(client, spec, "user-loop-bitflip")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (sdc,) = result.interruptions
+    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, 3, "n2"), "the rank and its node are named"
+    assert sdc.detected_by == "bitwise self-check replay"
+    assert sdc.sdc_check is not None and (sdc.sdc_check.step, sdc.sdc_check.last_verified) == (30, 20)
+    assert sdc.resumed_from == 20, "back to the newest checkpoint at or before the last passing check"
+    first = {c.step: c for c in await handle.query(RunWorkflow.checkpoints) if c.generation == 0}
+    assert first[25].suspect, "written after the last passing check"
+    assert "n2" not in (await handle.query(RunWorkflow.status_query)).nodes
+    assert_ends_as_uninterrupted(out, samples, reference)
+
+
+async def test_a_flipped_weight_on_one_rank_is_caught_by_the_replica_check(
+    client: Client, tmp_path: Path, reference: Reference
+) -> None:
+    # Rank 1's weights take a bit flip at step 13: its replica differs from the others' at the check
+    # of step 20. Nothing in its own computation is inconsistent, so only the comparison finds it.
+    out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
+    faults = [{"kind": "weightflip", "rank": 1, "at_step": 13}]
+    spec = loop_spec(tmp_path / "checkpoints", out, samples, sdc={"self_check_every": 10}, faults=faults)
+    handle = await start(client, spec, "user-loop-weightflip")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (sdc,) = result.interruptions
+    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, 1, "n1")
+    assert sdc.detected_by == "cross-rank check of data-parallel replicas"
+    assert sdc.sdc_check is not None and (sdc.sdc_check.step, sdc.sdc_check.last_verified) == (20, 10)
+    assert "rank 1's weights or gradient differ from the other 3 replicas'" in sdc.detail
+    assert sdc.resumed_from == 10
+    first = {c.step: c for c in await handle.query(RunWorkflow.checkpoints) if c.generation == 0}
+    assert first[15].suspect, "written after the last passing check"
+    assert_ends_as_uninterrupted(out, samples, reference)
+
+
+async def test_a_gradient_spike_skips_the_update_on_every_rank_and_interrupts_nothing(
+    client: Client, tmp_path: Path
+) -> None:
+    paths = (tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt")
+    faults = [{"kind": "grad_spike", "rank": 0, "at_step": 30, "factor": 1000}]
+    handle = await start(client, loop_spec(*paths, faults=faults), "user-loop-spike")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    assert result.interruptions == [], "a skipped update interrupts nothing"
+    (spike,) = await handle.query(RunWorkflow.detections)
+    assert (spike.kind, spike.step) == ("grad_spike", 30)
+    assert (await handle.query(RunWorkflow.health)).skipped_updates == 1
 
 
 async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(client: Client, tmp_path: Path) -> None:

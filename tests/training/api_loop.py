@@ -4,7 +4,8 @@
 
 Its data comes from a loader object with `state_dict`/`load_state_dict` (as torchdata's
 StatefulDataLoader has): each rank draws its own samples, so only a restored position repeats none.
-Every step appends `step rank samples` to --samples, and the last step's weights go to --out.
+Every step appends `step rank samples` to --samples, and the last step's weights go to --out. The
+step hands its forward and backward to the API for the SDC self-check's replay.
 """
 
 import argparse
@@ -82,9 +83,14 @@ def main() -> None:
     for step in run.steps():
         samples = loader.next()
         noise = 0.01 * torch.randn(len(samples), 1) + 0.01 * random.random() + 0.01 * float(np.random.rand())
-        loss = (model(inputs[samples]) - targets[samples] - noise).pow(2).mean()
+
+        def forward(samples: list[int] = samples, noise: torch.Tensor = noise) -> torch.Tensor:
+            return (model(inputs[samples]) - targets[samples] - noise).pow(2).mean()
+
         optimizer.zero_grad()
+        loss = forward()
         loss.backward()
+        run.replay_with(lambda: forward().backward())  # the SDC self-check's replay of this step
         optimizer.step()
         time.sleep(args.step_ms / 1000)
         run.record(loss, samples=samples)

@@ -1,0 +1,170 @@
+"""The silent-data-corruption checks of training/sdc.py, fitted around a user's own loop (training/run.py).
+
+A user's loop owns its collectives and its update, so the checks run where every rank's loop passes
+with the step's gradient all-reduced and the update not yet applied: the optimizer's step pre-hook.
+There, for a data-parallel model (DistributedDataParallel, or one process):
+- every step, the invariants on the all-reduced gradient: non-finite, or a norm far above the running
+  p99, and the update is skipped (every gradient set to None, so the optimizer leaves every parameter
+  and its state as they were);
+- every `self_check_every` steps, the replica check: every rank fingerprints its weights and the
+  all-reduced gradient, and a rank whose replica differs is named;
+- at the same steps, where the loop handed over the step's replay (`Run.replay_with`), one rank in
+  turn recomputes its micro-batch, without the gradient all-reduce, and compares bitwise with what
+  it computed first (kept from DDP's communication hook before the all-reduce).
+A failed check halts every rank before the update; the workflow rolls the run back to the newest
+checkpoint at or before the last passing check (the watermark each checkpoint records).
+
+FSDP2 models (sharded parameters) have no replicas to compare and no local gradient to replay
+against: their loops get none of these checks yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from stayalive.core.spec import SdcSpec
+from stayalive.core.telemetry import Anomaly, SdcCheck
+from stayalive.training.faults import FaultInjector
+from stayalive.training.sdc import SdcGuard, flat_grads, set_grads
+
+log = structlog.get_logger()
+
+
+class LoopChecks:
+    """One rank's checks for one process of a user's loop; `last_verified` is the watermark."""
+
+    def __init__(
+        self,
+        spec: SdcSpec,
+        rank: int,
+        world_size: int,
+        generation: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        faults: FaultInjector,
+        report: Callable[[Anomaly | SdcCheck], None],
+        halt: Callable[[], None],
+    ) -> None:
+        self.guard = SdcGuard(spec, rank, world_size, generation, last_verified=0)
+        self.rank, self.model, self.faults, self.report, self.halt = rank, model, faults, report, halt
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.enabled = spec.enabled and not any(isinstance(p, DTensor) for p in self.params)
+        self.replayable = self.ddp is not None or world_size == 1  # where this rank's own gradient can be known
+        if spec.enabled and not self.enabled:
+            log.warning("no SDC checks: they need replicated parameters (DDP or one process), not FSDP2's shards")
+        self.step = 0
+        self.replay: Callable[[], object] | None = None
+        self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
+        if self.enabled:
+            optimizer.register_step_pre_hook(self._before_update)
+
+    @property
+    def last_verified(self) -> int:
+        return self.guard.last_verified
+
+    @last_verified.setter
+    def last_verified(self, step: int) -> None:
+        self.guard.last_verified = step
+
+    def begin(self, step: int) -> None:
+        self.step, self.replay = step, None
+        self.own.clear()
+
+    def self_check_due(self) -> bool:
+        return self.enabled and self.replayable and self.guard.self_check_due(self.step)
+
+    def before_all_reduce(self, bucket: dist.GradBucket, first: bool) -> None:
+        """DDP's communication hook, before a bucket's all-reduce: injected gradient faults, and this
+        rank's own gradient kept where its self-check is due."""
+        gradients = bucket.gradients()
+        if first:
+            self.faults.after_backward(self.step, gradients)
+        if self.self_check_due():
+            self.own |= {p: g.clone() for p, g in zip(bucket.parameters(), gradients, strict=True)}
+
+    # -- before the update (the optimizer's step pre-hook) --------------------------------------------
+
+    def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        step, params = self.step, self.params
+        if self.ddp is None:
+            self.faults.after_backward(step, [p.grad for p in params if p.grad is not None])
+        self.faults.before_update(step, params)
+        checks = [self._self_check()] if self.self_check_due() and self.replay is not None else []
+        if self.guard.replicas_due(step):
+            failed = next((c for c in checks if not c.passed), None)
+            blamed = 0 if failed is None or failed.culprit is None else 1 + failed.culprit
+            grads = [p.grad for p in params if p.grad is not None]
+            fingerprints, blame = self.guard.gather([*params, *grads], blamed)
+            checks.append(self.guard.replicas(step, fingerprints))
+            if blame and failed is None:  # another rank's replay differed: halt with it
+                checks.append(self._blamed(step, blame - 1))
+        for check in checks:
+            if check.method == "self" or self.rank == 0:
+                self.report(check)
+        if failed := next((c for c in checks if not c.passed), None):
+            log.error("silent data corruption", culprit=failed.culprit, detail=failed.detail)
+            self.halt()
+        if checks:
+            self.guard.last_verified = step
+        self._screen(step)
+
+    def _self_check(self) -> SdcCheck:
+        """This rank's micro-batch again, without the all-reduce; the all-reduced gradient is put back."""
+        assert self.replay is not None
+        params = [p for p in self.params if p.grad is not None]
+        reduced = flat_grads(params).clone()
+        for param in params:  # what this rank computed first, where the comparison starts
+            if (own := self.own.get(param)) is not None and param.grad is not None:
+                param.grad.copy_(own)
+        check = self.guard.self_check(self.step, params, self._replay)
+        set_grads(params, reduced)
+        return check
+
+    def _blamed(self, step: int, culprit: int) -> SdcCheck:
+        return SdcCheck(
+            rank=self.rank,
+            generation=self.guard.generation,
+            step=step,
+            method="self",
+            passed=False,
+            culprit=culprit,
+            last_verified=self.guard.last_verified,
+            detail=f"rank {culprit}'s replay differs",
+        )
+
+    def _screen(self, step: int) -> None:
+        """The invariants on the all-reduced gradient: a step that breaks one is not applied."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        verdict = self.guard.screen(step, norm, lambda: None)
+        for report in verdict.reports:
+            self.report(report)
+        if not verdict.apply:
+            log.warning("update skipped", why=verdict.skipped)
+            for param in self.params:  # the optimizer passes over a parameter without a gradient
+                param.grad = None
+
+    def _replay(self) -> None:
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.zero_()
+        assert self.replay is not None
+        if self.ddp is None:
+            self.replay()
+            return
+        # Without the gradient all-reduce; and DDP's forward broadcasts buffers from rank 0, a
+        # collective the other ranks are not in.
+        syncing, self.ddp.require_forward_param_sync = self.ddp.require_forward_param_sync, False
+        try:
+            with self.ddp.no_sync():
+                self.replay()
+        finally:
+            self.ddp.require_forward_param_sync = syncing
