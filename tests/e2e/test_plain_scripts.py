@@ -19,10 +19,10 @@ from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
 
 RUNS = 10
-# An epoch of the tutorial script takes a tenth to a quarter of a second here: a kill after epoch 4 has
-# sixteen epochs (two to four seconds) to land mid-run, and a run takes six seconds, not ten.
-EPOCHS = 20
-KILL_AFTER = 4
+# An epoch of the tutorial script takes a tenth to a quarter of a second here: a kill after epoch 3 has
+# nine epochs (one to two seconds) to land mid-run, where it lands within a few tenths of a second.
+EPOCHS = 12
+KILL_AFTER = 3
 
 
 def plain_spec(entrypoint: list[str], checkpoint_root: Path, **health: object) -> RunSpec:
