@@ -96,11 +96,13 @@ def ddp_all_reduce(
     rider: torch.Tensor | None = None,
     arrived: Callable[[torch.Tensor], None] = lambda _: None,
     per_tensor: bool = False,
+    reduced_to: Callable[[torch.Tensor], None] = lambda _: None,
 ) -> torch.futures.Future[torch.Tensor]:
     """A DistributedDataParallel communication hook's body: DDP's own averaging all-reduce of a
     gradient bucket, counted (the user's loop keeps its collective calls). A `rider` (the step's
     command vote) is summed in the same all-reduce, and `arrived` gets the sum: no collective of its own.
-    `per_tensor`: sum each gradient on its own first, in an order that does not depend on the bucket."""
+    `per_tensor`: sum each gradient on its own first, in an order that does not depend on the bucket.
+    `reduced_to` sees the bucket's all-reduced gradient (the SDC invariants' norm)."""
     target, counted = _stalled_or(group)
     if counted:
         _entered(Site.GRADIENTS)
@@ -116,6 +118,7 @@ def ddp_all_reduce(
         _completed()
         if summed is not None:
             arrived(summed)
+        reduced_to(gradients)
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(gradients)
         return done
@@ -125,9 +128,9 @@ def ddp_all_reduce(
     def completed(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         _completed()
         (reduced,) = done.value()
-        if rider is None:
-            return reduced
-        arrived(reduced[gradients.numel() :].to(rider.dtype))
+        if rider is not None:
+            arrived(reduced[gradients.numel() :].to(rider.dtype))
+        reduced_to(reduced[: gradients.numel()])
         return reduced[: gradients.numel()]
 
     return future.then(completed)

@@ -74,6 +74,10 @@ class FaultInjector:
             return loss * float("nan")
         return loss
 
+    @property
+    def corrupts_gradients(self) -> bool:
+        return any(isinstance(f, BitFlip | FlakyRank | GradSpike) for f in self.faults)
+
     def after_backward(self, step: int, grads: list[torch.Tensor]) -> None:
         """Corrupt this step's gradient as a faulty GPU would (not its replays: a transient fault)."""
         for fault in self.faults:

@@ -286,11 +286,18 @@ class Run:
         if self.checks is not None:
             self.checks.before_all_reduce(bucket, first=self._compute_s is None)
         self._before_collectives()
+        exact, reduced_to = self.exact_resume, self._bucket_reduced
         if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
-            return collectives.ddp_all_reduce(None, bucket, per_tensor=self.exact_resume)
+            return collectives.ddp_all_reduce(None, bucket, per_tensor=exact, reduced_to=reduced_to)
         self._vote_sent = True
         votes = self.supervision.votes()
-        return collectives.ddp_all_reduce(None, bucket, votes, self._votes_arrived, per_tensor=self.exact_resume)
+        return collectives.ddp_all_reduce(
+            None, bucket, votes, self._votes_arrived, per_tensor=exact, reduced_to=reduced_to
+        )
+
+    def _bucket_reduced(self, reduced: torch.Tensor) -> None:
+        if self.checks is not None:
+            self.checks.after_all_reduce(reduced)
 
     def _votes_arrived(self, votes: torch.Tensor) -> None:
         self._votes = votes
