@@ -57,10 +57,13 @@ class FaultInjector:
     # -- silent data corruption: wrong numbers, no error ----------------------------------------------
 
     def attach(self, model: torch.nn.Module) -> None:
-        """A deterministically wrong GPU: the first block's output scaled by 1 + ε on every forward."""
+        """A deterministically wrong GPU: the first block's output scaled by 1 + ε on every forward (the
+        first module of the model's first ModuleList, or else of its first Sequential)."""
         for fault in self.faults:
             if isinstance(fault, WrongRank):
-                block = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[0]
+                modules = list(model.modules())
+                lists = [m for m in modules if isinstance(m, torch.nn.ModuleList)]
+                block = lists[0][0] if lists else next(m for m in modules if isinstance(m, torch.nn.Sequential))[0]
                 self._hooks.append(block.register_forward_hook(_scaled_by(1.0 + fault.epsilon)))
 
     def detach(self) -> None:

@@ -20,12 +20,11 @@ against: their loops get none of these checks yet.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,12 +56,14 @@ class LoopChecks:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.enabled = spec.enabled and not any(isinstance(p, DTensor) for p in self.params)
-        self.replayable = self.ddp is not None or world_size == 1  # where this rank's own gradient can be known
+        self.world_size = world_size
         if spec.enabled and not self.enabled:
             log.warning("no SDC checks: they need replicated parameters (DDP or one process), not FSDP2's shards")
         self.step = 0
-        self.replay: Callable[[], object] | None = None
+        self.replay: Callable[[], object] | None = None  # this rank's micro-batch of the step, again
+        self.replay_of: Callable[[int], object] | None = None  # any rank's
         self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
+        self.passed_through = False  # this step's gradient came through the API before its all-reduce
         self.bucket_norms: list[torch.Tensor] = []  # of the all-reduced gradient, bucket by bucket
         if self.enabled:
             optimizer.register_step_pre_hook(self._before_update)
@@ -76,20 +77,24 @@ class LoopChecks:
         self.guard.last_verified = step
 
     def begin(self, step: int) -> None:
-        self.step, self.replay = step, None
+        self.step, self.replay, self.replay_of, self.passed_through = step, None, None, False
         self.own.clear()
         self.bucket_norms.clear()
 
-    def self_check_due(self) -> bool:
-        return self.enabled and self.replayable and self.guard.self_check_due(self.step)
-
-    def before_all_reduce(self, bucket: dist.GradBucket, first: bool) -> None:
-        """DDP's communication hook, before a bucket's all-reduce: injected gradient faults, and this
-        rank's own gradient kept where its self-check is due."""
+    def before_all_reduce(
+        self,
+        first: bool,
+        parameters: Callable[[], Sequence[torch.Tensor]],
+        gradients: Callable[[], Sequence[torch.Tensor]],
+    ) -> None:
+        """Before (a bucket of) the step's gradient goes into its all-reduce: injected gradient faults,
+        and this rank's own gradient kept where a recomputation check is due."""
+        self.passed_through = True
         if first and self.faults.corrupts_gradients:
-            self.faults.after_backward(self.step, bucket.gradients())
-        if self.self_check_due():
-            self.own |= {p: g.clone() for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)}
+            self.faults.after_backward(self.step, list(gradients()))
+        due = self.guard.self_check_due(self.step) or self.guard.cross_check_due(self.step)
+        if self.enabled and due:
+            self.own |= {p: g.clone() for p, g in zip(parameters(), gradients(), strict=True)}
 
     def after_all_reduce(self, reduced: torch.Tensor) -> None:
         """A bucket's all-reduced gradient: its norm, taken while it is one contiguous tensor (one
@@ -101,12 +106,12 @@ class LoopChecks:
 
     def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         step, params = self.step, self.params
-        if self.ddp is None:
+        if not self.passed_through:  # one process: the gradient is this rank's own
             self.faults.after_backward(step, [p.grad for p in params if p.grad is not None])
         self.faults.before_update(step, params)
-        checks = [self._self_check()] if self.self_check_due() and self.replay is not None else []
+        checks = self._recomputations(step)
         if self.guard.replicas_due(step):
-            failed = next((c for c in checks if not c.passed), None)
+            failed = next((c for c in checks if c.method == "self" and not c.passed), None)
             blamed = 0 if failed is None or failed.culprit is None else 1 + failed.culprit
             grads = [p.grad for p in params if p.grad is not None]
             fingerprints, blame = self.guard.gather([*params, *grads], blamed)
@@ -123,17 +128,31 @@ class LoopChecks:
             self.guard.last_verified = step
         self._screen(step)
 
-    def _self_check(self) -> SdcCheck:
-        """This rank's micro-batch again, without the all-reduce; the all-reduced gradient is put back."""
-        assert self.replay is not None
+    def _recomputations(self, step: int) -> list[SdcCheck]:
+        """The checks that recompute a micro-batch, with this rank's own gradient in place (the
+        all-reduced one is put back after): the cross-rank check (a collective: every rank that
+        hands over `replay_of` takes part), then this rank's self-check where it is its turn."""
+        own_known = (self.passed_through and bool(self.own)) or self.world_size == 1
+        if not (self.enabled and own_known):
+            return []
         params = [p for p in self.params if p.grad is not None]
         reduced = flat_grads(params).clone()
-        for param in params:  # what this rank computed first, where the comparison starts
+        checks = []
+        if self.replay_of is not None and self.guard.cross_check_due(step):
+            self._own_in_place(params)
+            self.guard.calibrate(params, self._replay_of)  # once: it sets the tolerance
+            self._own_in_place(params)
+            checks.append(self.guard.cross_check(step, params, self._replay_of))
+        if (self.replay or self.replay_of) is not None and self.guard.self_check_due(step):
+            self._own_in_place(params)
+            checks.append(self.guard.self_check(step, params, lambda: self._replay_of(self.rank)))
+        set_grads(params, reduced)
+        return checks
+
+    def _own_in_place(self, params: list[torch.nn.Parameter]) -> None:
+        for param in params:
             if (own := self.own.get(param)) is not None and param.grad is not None:
                 param.grad.copy_(own)
-        check = self.guard.self_check(self.step, params, self._replay)
-        set_grads(params, reduced)
-        return check
 
     def _blamed(self, step: int, culprit: int) -> SdcCheck:
         return SdcCheck(
@@ -162,19 +181,24 @@ class LoopChecks:
             for param in self.params:  # the optimizer passes over a parameter without a gradient
                 param.grad = None
 
-    def _replay(self) -> None:
+    def _replay_of(self, rank: int) -> None:
+        """Rank `rank`'s micro-batch of this step into fresh gradients, without the all-reduce."""
         for param in self.params:
             if param.grad is not None:
                 param.grad.zero_()
-        assert self.replay is not None
+        if (replay_of := self.replay_of) is not None:
+            replay: Callable[[], object] = lambda: replay_of(rank)  # noqa: E731
+        else:
+            assert self.replay is not None and rank == self.rank
+            replay = self.replay
         if self.ddp is None:
-            self.replay()
+            replay()
             return
         # Without the gradient all-reduce; and DDP's forward broadcasts buffers from rank 0, a
         # collective the other ranks are not in.
         syncing, self.ddp.require_forward_param_sync = self.ddp.require_forward_param_sync, False
         try:
             with self.ddp.no_sync():
-                self.replay()
+                replay()
         finally:
             self.ddp.require_forward_param_sync = syncing

@@ -19,9 +19,13 @@ culprit (a DistributedDataParallel model's gradient all-reduces are counted thro
 and the SDC checks before each update (training/loop_checks.py), the replay self-check included
 where the loop hands its step over with `run.replay_with(...)`.
 
-Ranks agree on commands by summing their votes: in the step's first DDP gradient all-reduce, which
-costs no collective, or else (FSDP2, no DDP) in one small all-reduce on a gloo group of the API's
-own. A held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
+Ranks agree on commands by summing their votes: in the step's first gradient all-reduce (DDP's, or
+the loop's own through `run.all_reduce_gradients(params)`), which costs no collective, or else
+(FSDP2) in one small all-reduce on a gloo group of the API's own (training/gradient_route.py). When
+stayalive asks for a rebalance (escalation S2), `run.speeds` holds the ranks' relative speeds for a
+loop that can split its batch unevenly.
+
+A held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
 it checkpoints, waits until storage has it, and re-executes itself into the next generation, which
 resumes from that checkpoint, resharded.
 
@@ -31,14 +35,12 @@ under plain torchrun.
 
 from __future__ import annotations
 
-import faulthandler
 import io
 import math
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,12 +58,13 @@ from torch.nn.parallel import DistributedDataParallel
 from stayalive.core.hangs import Site
 from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
-from stayalive.training import collectives, memory
+from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, within_root
 from stayalive.training.commit import Committer
 from stayalive.training.dcp_format import DcpManifest
 from stayalive.training.faults import FaultInjector
+from stayalive.training.gradient_route import GradientRoute, plain_all_reduce
 from stayalive.training.logs import configure_logging
 from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.rng import rng_state, set_rng_state
@@ -109,10 +112,10 @@ class Run:
         self._samples: list[int] = []
         self._started = 0.0
         self._compute_s: float | None = None
-        self._votes: torch.Tensor | None = None  # every rank's vote, summed, once this step's has ridden a bucket
-        self._vote_sent = False
         self._finished = False
         self.checks: LoopChecks | None = None
+        self.route: GradientRoute | None = None
+        self.speeds: list[float] | None = None  # the ranks' relative speeds, once stayalive asks for a rebalance
         if "STAYALIVE_RUN_ID" not in os.environ:
             if target_step is None:
                 raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
@@ -125,7 +128,7 @@ class Run:
             dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
-        self._watch_from_outside()
+        rank_process.watch_from_outside(config.generation)
         hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
         self.channel = AgentChannel(config.agent, hello, config.run_token) if config.agent else None
         # The API's collectives run on gloo groups of their own, apart from the loop's (NCCL on GPUs):
@@ -134,6 +137,7 @@ class Run:
         checkpoint_group = dist.new_group(backend="gloo")
         self.faults = FaultInjector(config.faults, self.rank, config.generation, self.world_size)
         self.supervision = Supervision(config, self.rank, self.world_size, self.channel, group=self.control)
+        self.faults.attach(model)
         if optimizer is not None:
             self.checks = LoopChecks(
                 config.sdc,
@@ -146,6 +150,7 @@ class Run:
                 self._report,
                 self._halt,
             )
+        self.route = route = GradientRoute(self.supervision, self.checks, exact_resume, self._before_collectives)
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -174,7 +179,7 @@ class Run:
             self._restore(resume, tier, checkpoint_group)
         if isinstance(model, DistributedDataParallel):
             # A lambda: DDP checks a hook's annotations against real classes, and this module's are strings.
-            model.register_comm_hook(None, lambda _, bucket: self._gradient_hook(bucket))
+            model.register_comm_hook(None, lambda _, bucket: route.ddp_hook(bucket))
 
     # -- the loop's side -----------------------------------------------------------------------------
 
@@ -201,7 +206,8 @@ class Run:
         if self.checks is not None:
             self.checks.begin(step)
         self._loss, self._samples, self._compute_s = None, [], None
-        self._votes, self._vote_sent = None, False
+        if self.route is not None:
+            self.route.begin()
         self._started = time.perf_counter()
         return step
 
@@ -212,9 +218,10 @@ class Run:
         if self.config is None:
             self.step = step
             return step < self.target_step
+        assert self.route is not None
         compute_s = self._before_collectives()
-        votes = self._votes
-        if votes is None:  # no DDP bucket carried it (FSDP2, a loop without DDP): a small all-reduce of its own
+        votes = self.route.votes
+        if votes is None:  # no gradient all-reduce carried it (FSDP2, the loop's own): a small all-reduce
             votes = self.supervision.votes().clone()
             collectives.all_reduce(votes, Site.CONTROL, group=self.control)
         decision = self.supervision.decide(step, votes)
@@ -231,8 +238,9 @@ class Run:
                 at=time.time(),
             )
         )
-        if decision.speeds is not None:
-            log.warning("rebalance ignored: a user's loop decides its own batch split")
+        if decision.speeds is not None:  # a loop that can split its batch unevenly reads them
+            self.speeds = decision.speeds
+            log.info("rebalance asked for: run.speeds", speeds=[round(s, 3) for s in decision.speeds])
         if decision.checkpoint:
             self.checkpointer.save(step, self._state(), self._last_verified())
         if decision.hold:
@@ -262,13 +270,28 @@ class Run:
             return 0.0
         return self.checkpointer.save(self.step, self._state(), self._last_verified())
 
-    def replay_with(self, replay: Callable[[], object]) -> None:
-        """This step's forward and backward, as `replay()` computes them again (from the same inputs,
-        deterministically): call it before the optimizer's step. Where this rank's bitwise self-check
-        is due (every `sdc.self_check_every` steps, one rank in turn), it runs before the update,
-        without the gradient all-reduce, and must give bitwise the gradient the step computed."""
+    def replay_with(
+        self, replay: Callable[[], object] | None = None, *, of_rank: Callable[[int], object] | None = None
+    ) -> None:
+        """This step's forward and backward, as the loop computes them again (from the same inputs,
+        deterministically); call it before the optimizer's step. `replay()` recomputes this rank's
+        micro-batch: where this rank's bitwise self-check is due (every `sdc.self_check_every` steps,
+        one rank in turn), it runs before the update, without the gradient all-reduce, and must give
+        bitwise the gradient the step computed. `of_rank(r)` recomputes any rank r's micro-batch (a
+        loop whose sampler can tell): it serves the self-check too, and every `sdc.cross_check_every`
+        steps two ranks compute the same micro-batch and compare (every rank must hand it over)."""
         if self.checks is not None:
-            self.checks.replay = replay
+            self.checks.replay, self.checks.replay_of = replay, of_rank
+
+    def all_reduce_gradients(self, params: Iterable[torch.nn.Parameter], *, average: bool = True) -> None:
+        """For a loop that all-reduces its data-parallel gradients itself (no DDP, no FSDP): every
+        gradient of `params` in one all-reduce, counted for a hang's culprit, with the step's
+        command vote riding in it; `average`: divided by the world size first, as DDP does, else
+        summed. Call it after backward, before the optimizer's step."""
+        if self.route is None:
+            plain_all_reduce(params, average)
+        else:
+            self.route.all_reduce(params, average)
 
     # -- between steps -------------------------------------------------------------------------------
 
@@ -279,28 +302,6 @@ class Run:
             self._compute_s = time.perf_counter() - self._started
             self.faults.before_collective(self.step + 1, self._compute_s)
         return self._compute_s
-
-    def _gradient_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Each gradient bucket's all-reduce, counted; the step's first (of a float32/64 gradient,
-        which counts exactly) carries the command vote."""
-        if self.checks is not None:
-            self.checks.before_all_reduce(bucket, first=self._compute_s is None)
-        self._before_collectives()
-        exact, reduced_to = self.exact_resume, self._bucket_reduced
-        if self._vote_sent or bucket.buffer().dtype not in (torch.float32, torch.float64):
-            return collectives.ddp_all_reduce(None, bucket, per_tensor=exact, reduced_to=reduced_to)
-        self._vote_sent = True
-        votes = self.supervision.votes()
-        return collectives.ddp_all_reduce(
-            None, bucket, votes, self._votes_arrived, per_tensor=exact, reduced_to=reduced_to
-        )
-
-    def _bucket_reduced(self, reduced: torch.Tensor) -> None:
-        if self.checks is not None:
-            self.checks.after_all_reduce(reduced)
-
-    def _votes_arrived(self, votes: torch.Tensor) -> None:
-        self._votes = votes
 
     def _last_verified(self) -> int:
         return self.checks.last_verified if self.checks is not None else 0
@@ -324,12 +325,8 @@ class Run:
         if rejoin is None:
             log.info("leaving the group", step=self.step)
             raise SystemExit(0)
-        env = os.environ | rejoin.env | {"STAYALIVE_RESUME_FROM": str(held)}
-        sys.stdout.flush()
-        sys.stderr.flush()
-        argv = _relaunch_argv()
         log.info("rejoining as a new process", checkpoint=held.name, rank=rejoin.env.get("RANK"))
-        os.execve(argv[0], argv, env)
+        rank_process.execute_again(dict(os.environ) | rejoin.env | {"STAYALIVE_RESUME_FROM": str(held)})
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -417,22 +414,3 @@ class Run:
         assert self.config is not None
         generation, why = self.config.generation, str(error)
         self._report(StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why))
-
-    def _watch_from_outside(self) -> None:
-        """What the node agent reads when this rank stops answering: its stacks and collective counts."""
-        if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
-            Path(stack_file).parent.mkdir(parents=True, exist_ok=True)  # a rejoined rank's generation is new
-            self._stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
-            faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
-        if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):
-            collectives.track(Path(progress_file))
-        assert self.config is not None
-        collectives.begin(self.config.generation)
-
-
-def _relaunch_argv() -> list[str]:
-    """This process's command line, to execute again: `python -m module …` or `python script …`."""
-    spec = getattr(sys.modules["__main__"], "__spec__", None)
-    if spec is not None and spec.name != "__main__":
-        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
-    return [sys.executable, *sys.argv]

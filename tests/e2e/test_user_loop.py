@@ -128,6 +128,32 @@ async def test_a_flipped_weight_on_one_rank_is_caught_by_the_replica_check(
     assert_ends_as_uninterrupted(out, samples, reference)
 
 
+async def test_a_deterministically_wrong_rank_passes_its_replays_and_fails_the_cross_rank_check(
+    client: Client, tmp_path: Path
+) -> None:
+    # Rank 1 scales its first layer's output by 1 + 1e-3 on every forward. Its replay at step 5 agrees
+    # with itself and the all-reduce hands every replica the same gradient, so the checks at 5, 10
+    # and 15 pass. At step 20 ranks 1 and 3 compute rank 1's micro-batch (the loop replays any rank's:
+    # --any-rank) and disagree; rank 2 sides with rank 3.
+    root, out, samples = tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt"
+    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "30", "--any-rank"]
+    sdc = {"self_check_every": 5, "cross_check_every": 20}
+    faults = [{"kind": "wrong", "rank": 1, "epsilon": 1e-3}]
+    spec = loop_spec(root, out, samples, entrypoint=entrypoint, sdc=sdc, faults=faults)
+    handle = await start(client, spec, "user-loop-wrong-rank")
+    result = await handle.result()
+    assert result.state == RunState.COMPLETED, result.failure
+    (interruption,) = result.interruptions
+    assert (interruption.cause, interruption.rank, interruption.node) == (Cause.SDC, 1, "n1")
+    assert interruption.detected_by == "cross-rank check"
+    check = interruption.sdc_check
+    assert check is not None and (check.method, check.step, check.culprit) == ("cross", 20, 1)
+    assert check.difference is not None and check.tolerance is not None
+    assert check.difference > check.tolerance > 0, "the measured difference and the tolerance it broke"
+    assert "spread" in check.detail, "how the tolerance was derived"
+    assert check.last_verified == 15 and interruption.resumed_from == 15
+
+
 async def test_a_gradient_spike_skips_the_update_on_every_rank_and_interrupts_nothing(
     client: Client, tmp_path: Path
 ) -> None:

@@ -54,6 +54,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--samples", type=Path)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--manual", action="store_true", help="no DDP: the loop all-reduces through the API")
+    parser.add_argument(
+        "--any-rank",
+        action="store_true",
+        help="noise from (step, rank) alone, so that any rank can replay any rank's micro-batch (the SDC "
+        "cross-rank check); by default it comes from each rank's RNG streams, which a resume must restore",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=0.0, help="accelerator time to add to every step")
     args = parser.parse_args()
@@ -74,6 +81,8 @@ def main() -> None:
                 fully_shard(layer)
         fully_shard(layers)
         model = layers
+    elif args.manual:
+        model = layers
     else:
         model = DistributedDataParallel(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -81,8 +90,20 @@ def main() -> None:
 
     run = stayalive.Run(model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=True)
     for step in run.steps():
+        before = loader.state_dict()
         samples = loader.next()
         noise = 0.01 * torch.randn(len(samples), 1) + 0.01 * random.random() + 0.01 * float(np.random.rand())
+
+        def samples_of(other: int, before: dict[str, Any] = before) -> list[int]:
+            theirs = Loader(len(inputs), 8, other, world)
+            theirs.load_state_dict(before)
+            return theirs.next()
+
+        def noise_of(other: int, step: int = step) -> torch.Tensor:
+            return 0.01 * torch.randn(8, 1, generator=torch.Generator().manual_seed(step * 100 + other))
+
+        if args.any_rank:
+            noise = noise_of(rank)
 
         def forward(samples: list[int] = samples, noise: torch.Tensor = noise) -> torch.Tensor:
             return (model(inputs[samples]) - targets[samples] - noise).pow(2).mean()
@@ -90,7 +111,12 @@ def main() -> None:
         optimizer.zero_grad()
         loss = forward()
         loss.backward()
-        run.replay_with(lambda: forward().backward())  # the SDC self-check's replay of this step
+        if args.manual:
+            run.all_reduce_gradients(model.parameters())
+        if args.any_rank:  # the SDC checks' replays: of this rank's step, or of any rank's
+            run.replay_with(of_rank=lambda other: forward(samples_of(other), noise_of(other)).backward())
+        else:
+            run.replay_with(lambda: forward().backward())
         optimizer.step()
         time.sleep(args.step_ms / 1000)
         run.record(loss, samples=samples)

@@ -20,6 +20,8 @@ from tests.helpers import ROOT
 
 LOOP = "tests/training/api_loop.py"
 RUN_ID = "api/0123abcd"
+# DDP; FSDP2; and no wrapper, the loop all-reducing through run.all_reduce_gradients
+WRAPPINGS: dict[str, tuple[str, ...]] = {"ddp": (), "fsdp2": ("--fsdp",), "manual": ("--manual",)}
 
 
 def launch(
@@ -54,13 +56,13 @@ def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
     """One uninterrupted 2-rank run per model wrapping, to step 20: its directory and final weights."""
     runs = {}
-    for name, flags in {"ddp": (), "fsdp2": ("--fsdp",)}.items():
+    for name, flags in WRAPPINGS.items():
         directory = tmp_path_factory.mktemp(name)
         runs[name] = directory, launch(directory, "uninterrupted", 2, *flags)
     return runs
 
 
-@pytest.mark.parametrize("wrapping", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapping", list(WRAPPINGS))
 def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(
     uninterrupted: dict[str, tuple[Path, dict[str, torch.Tensor]]], wrapping: str
 ) -> None:
@@ -69,8 +71,7 @@ def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(
     manifest = read_dcp_manifest(committed)
     assert (manifest.step, manifest.world_size) == (10, 2)
     assert validate.test_load(committed).ok
-    flags = ("--fsdp",) if wrapping == "fsdp2" else ()
-    resumed = launch(directory, f"resumed-{wrapping}", 2, *flags, generation=1, resume=committed)
+    resumed = launch(directory, f"resumed-{wrapping}", 2, *WRAPPINGS[wrapping], generation=1, resume=committed)
     assert_equal(resumed, weights)
 
 

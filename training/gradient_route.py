@@ -1,0 +1,97 @@
+"""How a step's gradients reach their all-reduce under `stayalive.Run`: through DDP's communication
+hook, or through the loop's own call (`Run.all_reduce_gradients`, for a loop without DDP or FSDP).
+
+Either way the all-reduce is counted for a hang's culprit (training/collectives.py), the step's
+command vote rides in the first one (a float32/64 gradient, which sums the vote exactly), so agreeing
+on commands costs no collective, and the SDC checks see the gradient before and after it
+(training/loop_checks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stayalive.core.hangs import Site
+from stayalive.training import collectives
+from stayalive.training.loop_checks import LoopChecks
+from stayalive.training.sdc import set_grads
+from stayalive.training.supervision import Supervision
+
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+class GradientRoute:
+    """One process's route; `before_collectives()` marks where the step's compute ends."""
+
+    def __init__(
+        self,
+        supervision: Supervision,
+        checks: LoopChecks | None,
+        exact_resume: bool,
+        before_collectives: Callable[[], float],
+    ) -> None:
+        self.supervision, self.checks, self.exact_resume = supervision, checks, exact_resume
+        self.before_collectives = before_collectives
+        self.votes: torch.Tensor | None = None  # every rank's vote, summed, once it has ridden an all-reduce
+        self._vote_sent = False
+        self._first = True  # no gradient of this step has gone to its all-reduce yet
+
+    def begin(self) -> None:
+        self.votes, self._vote_sent, self._first = None, False, True
+
+    def ddp_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Each gradient bucket's all-reduce: DDP's averaging, counted, the vote in the first."""
+        self._leaving(bucket.parameters, bucket.gradients)
+        exact, reduced_to = self.exact_resume, self._reduced
+        if self._vote_sent or bucket.buffer().dtype not in EXACT_DTYPES:
+            return collectives.ddp_all_reduce(None, bucket, per_tensor=exact, reduced_to=reduced_to)
+        self._vote_sent = True
+        votes = self.supervision.votes()
+        return collectives.ddp_all_reduce(None, bucket, votes, self._arrived, per_tensor=exact, reduced_to=reduced_to)
+
+    def all_reduce(self, params: Iterable[torch.nn.Parameter], average: bool) -> None:
+        """Every gradient of `params` in one flat all-reduce, the vote riding at its end."""
+        params = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        self._leaving(lambda: params, lambda: grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if average:
+            flat.div_(self.supervision.world_size)
+        rides = not self._vote_sent and flat.dtype in EXACT_DTYPES
+        votes = self.supervision.votes() if rides else torch.zeros(0)
+        self._vote_sent = self._vote_sent or rides
+        flat = torch.cat([flat, votes.to(flat.dtype)])
+        collectives.all_reduce(flat, Site.GRADIENTS)
+        reduced, summed = flat.split([flat.numel() - votes.numel(), votes.numel()])
+        if rides:
+            self._arrived(summed.to(votes.dtype))
+        self._reduced(reduced)
+        set_grads(params, reduced)
+
+    def _leaving(
+        self, parameters: Callable[[], Sequence[torch.Tensor]], gradients: Callable[[], Sequence[torch.Tensor]]
+    ) -> None:
+        if self.checks is not None:
+            self.checks.before_all_reduce(self._first, parameters, gradients)
+        self._first = False
+        self.before_collectives()
+
+    def _arrived(self, votes: torch.Tensor) -> None:
+        self.votes = votes
+
+    def _reduced(self, reduced: torch.Tensor) -> None:
+        if self.checks is not None:
+            self.checks.after_all_reduce(reduced)
+
+
+def plain_all_reduce(params: Iterable[torch.nn.Parameter], average: bool) -> None:
+    """Outside stayalive (plain torchrun): the loop's gradient all-reduce, and nothing more."""
+    params = [p for p in params if p.grad is not None]
+    if not (dist.is_initialized() and params):
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+    dist.all_reduce(flat.div_(dist.get_world_size() if average else 1))
+    set_grads(params, flat)
