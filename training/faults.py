@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -71,15 +72,9 @@ class FaultInjector:
             hook.remove()
         self._hooks.clear()
 
-    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if any(isinstance(f, NanLoss) and f.at_step == step for f in self.faults):
-            log.warning("injected NaN loss")
-            return loss * float("nan")
-        return loss
-
     @property
     def corrupts_gradients(self) -> bool:
-        return any(isinstance(f, BitFlip | FlakyRank | GradSpike) for f in self.faults)
+        return any(isinstance(f, BitFlip | FlakyRank | GradSpike | NanLoss) for f in self.faults)
 
     def after_backward(self, step: int, grads: list[torch.Tensor]) -> None:
         """Corrupt this step's gradient as a faulty GPU would (not its replays: a transient fault)."""
@@ -92,6 +87,10 @@ class FaultInjector:
                 log.warning("injected gradient spike", factor=fault.factor)
                 for grad in grads:
                     grad.mul_(fault.factor)
+            elif isinstance(fault, NanLoss) and fault.at_step == step:
+                log.warning("injected NaN loss: its backward leaves every gradient NaN")
+                for grad in grads:
+                    grad.mul_(math.nan)
 
     def before_update(self, step: int, params: list[torch.nn.Parameter]) -> None:
         """Corrupt this rank's weights, once its gradient is all-reduced (a memory fault): its replica

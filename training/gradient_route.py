@@ -45,6 +45,8 @@ class GradientRoute:
     def ddp_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Each gradient bucket's all-reduce: DDP's averaging, counted, the vote in the first."""
         self._leaving(bucket.parameters, bucket.gradients)
+        if self.checks is not None:
+            self.checks.entering(bucket.buffer())
         exact, reduced_to = self.exact_resume, self._reduced
         if self._vote_sent or bucket.buffer().dtype not in EXACT_DTYPES:
             return collectives.ddp_all_reduce(None, bucket, per_tensor=exact, reduced_to=reduced_to)
@@ -58,6 +60,8 @@ class GradientRoute:
         grads = [p.grad for p in params if p.grad is not None]
         self._leaving(lambda: params, lambda: grads)
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.checks is not None:
+            self.checks.entering(flat)
         if average:
             flat.div_(self.supervision.world_size)
         rides = not self._vote_sent and flat.dtype in EXACT_DTYPES

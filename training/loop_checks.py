@@ -65,6 +65,7 @@ class LoopChecks:
         self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
         self.passed_through = False  # this step's gradient came through the API before its all-reduce
         self.bucket_norms: list[torch.Tensor] = []  # of the all-reduced gradient, bucket by bucket
+        self.local_sums: list[torch.Tensor] = []  # of this rank's own, bucket by bucket: NaN or inf if it was
         if self.enabled:
             optimizer.register_step_pre_hook(self._before_update)
 
@@ -80,6 +81,7 @@ class LoopChecks:
         self.step, self.replay, self.replay_of, self.passed_through = step, None, None, False
         self.own.clear()
         self.bucket_norms.clear()
+        self.local_sums.clear()
 
     def before_all_reduce(
         self,
@@ -95,6 +97,12 @@ class LoopChecks:
         due = self.guard.self_check_due(self.step) or self.guard.cross_check_due(self.step)
         if self.enabled and due:
             self.own |= {p: g.clone() for p, g in zip(parameters(), gradients(), strict=True)}
+
+    def entering(self, local: torch.Tensor) -> None:
+        """The bucket (or flat gradient) as it enters the all-reduce: its sum, which only a NaN or inf
+        makes non-finite, names the rank whose numbers went non-finite should the reduced ones be."""
+        if self.enabled:
+            self.local_sums.append(local.sum())
 
     def after_all_reduce(self, reduced: torch.Tensor) -> None:
         """A bucket's all-reduced gradient: its norm, taken while it is one contiguous tensor (one
@@ -173,13 +181,19 @@ class LoopChecks:
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        verdict = self.guard.screen(step, norm, lambda: None)
+        verdict = self.guard.screen(step, norm, self._went_nonfinite)
         for report in verdict.reports:
             self.report(report)
         if not verdict.apply:
             log.warning("update skipped", why=verdict.skipped)
             for param in self.params:  # the optimizer passes over a parameter without a gradient
                 param.grad = None
+
+    def _went_nonfinite(self) -> bool | None:
+        """Whether this rank's own gradient was non-finite (None: it never passed through the API)."""
+        if not self.local_sums:
+            return None
+        return not bool(torch.isfinite(torch.stack(self.local_sums)).all())
 
     def _replay_of(self, rank: int) -> None:
         """Rank `rank`'s micro-batch of this step into fresh gradients, without the all-reduce."""

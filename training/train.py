@@ -96,8 +96,6 @@ def train(
         positions = stream.positions(step, of_rank, world_size, split)
         inputs, targets = stream.batch(positions)
         loss = state.model(inputs, targets).sum() / stream.global_batch
-        if not replay:
-            loss = faults.loss(step, loss)
         loss.backward()
         if device_s:  # an accelerator's time grows with the samples it computes
             time.sleep(device_s * len(positions) * world_size / stream.global_batch)

@@ -154,18 +154,22 @@ async def test_a_deterministically_wrong_rank_passes_its_replays_and_fails_the_c
     assert check.last_verified == 15 and interruption.resumed_from == 15
 
 
-async def test_a_gradient_spike_skips_the_update_on_every_rank_and_interrupts_nothing(
+async def test_a_nan_loss_and_a_gradient_spike_skip_their_update_on_every_rank_and_interrupt_nothing(
     client: Client, tmp_path: Path
 ) -> None:
     paths = (tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt")
-    faults = [{"kind": "grad_spike", "rank": 0, "at_step": 30, "factor": 1000}]
-    handle = await start(client, loop_spec(*paths, faults=faults), "user-loop-spike")
+    faults = [
+        {"kind": "nan_loss", "rank": 2, "at_step": 8},
+        {"kind": "grad_spike", "rank": 0, "at_step": 30, "factor": 1000},
+    ]
+    handle = await start(client, loop_spec(*paths, faults=faults), "user-loop-nan-spike")
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
     assert result.interruptions == [], "a skipped update interrupts nothing"
-    (spike,) = await handle.query(RunWorkflow.detections)
+    nonfinite, spike = await handle.query(RunWorkflow.detections)
+    assert (nonfinite.kind, nonfinite.step, nonfinite.rank, nonfinite.node) == ("nonfinite", 8, 2, "n2")
     assert (spike.kind, spike.step) == ("grad_spike", 30)
-    assert (await handle.query(RunWorkflow.health)).skipped_updates == 1
+    assert (await handle.query(RunWorkflow.health)).skipped_updates == 2
 
 
 async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(client: Client, tmp_path: Path) -> None:
