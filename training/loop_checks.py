@@ -176,7 +176,9 @@ class LoopChecks:
 
     def _screen(self, step: int) -> None:
         """The invariants on the all-reduced gradient: a step that breaks one is not applied."""
-        if self.bucket_norms:
+        if len(self.bucket_norms) == 1:
+            norm = float(self.bucket_norms[0])
+        elif self.bucket_norms:
             norm = float(torch.linalg.vector_norm(torch.stack(self.bucket_norms)))
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
