@@ -21,6 +21,7 @@ verification watermark every checkpoint records), and who failed one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -40,21 +41,41 @@ NORM_HISTORY = 200  # gradient norms kept for the running p99
 NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
 P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free
 FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
-FINGERPRINT_CHUNK = 1 << 22  # words fingerprinted at a time: the int64 copy stays small
+FINGERPRINT_CHUNK = 1 << 20  # words fingerprinted at a time: the int64 copy and the weights stay small (8 MB)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
-    """A position-weighted sum of the tensors' 32-bit words: one flipped bit anywhere changes it."""
-    total = torch.zeros((), dtype=torch.int64)
-    offset = 0
-    for tensor in tensors:
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        words = data.view(torch.int32) if data.numel() % 4 == 0 else data
-        for chunk in words.split(FINGERPRINT_CHUNK):
-            weights = torch.arange(offset, offset + chunk.numel(), dtype=torch.int64) % 65521 + 1
-            total += (chunk.to(torch.int64) * weights).sum()
-            offset += chunk.numel()
-    return int(total)
+    """A position-weighted sum of the tensors' 32-bit words, folded group by group (small tensors
+    laid end to end, so that a model's many small ones cost a few kernels, large ones a copy at a
+    time of at most FINGERPRINT_CHUNK words): one flipped bit anywhere changes it, and so does a
+    word moved to another place."""
+    total, group, size = 0, [], 0
+    for tensor in [*tensors, None]:
+        if tensor is not None:
+            group.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            size += group[-1].numel()
+        if group and (tensor is None or size >= 4 * FINGERPRINT_CHUNK):
+            data = torch.cat(group)
+            words = data[: data.numel() // 4 * 4].view(torch.int32)
+            total = (total * 1_000_003 + int(data[words.numel() * 4 :].sum())) % FINGERPRINT_MODULUS
+            for chunk in words.split(FINGERPRINT_CHUNK):
+                summed = int((chunk.to(torch.int64) * _weights(chunk.numel())).sum())
+                total = (total * 1_000_003 + summed) % FINGERPRINT_MODULUS
+            group, size = [], 0
+    return total
+
+
+FINGERPRINT_MODULUS = (1 << 61) - 1  # a Mersenne prime: the fold stays an int64 and loses no bit's effect
+
+
+def _weights(count: int) -> torch.Tensor:
+    """1, 2, …, 65521, 1, 2, …: a word's weight by its place (never 0, so no word is ignored)."""
+    return _all_weights()[:count]
+
+
+@functools.cache
+def _all_weights() -> torch.Tensor:
+    return torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64) % 65521 + 1
 
 
 def flat_grads(params: list[torch.nn.Parameter], *tail: torch.Tensor) -> torch.Tensor:
