@@ -160,6 +160,9 @@ class Anomaly(_Message):
     step: int
     kind: Literal["nonfinite", "grad_spike"]
     detail: str
+    # nonfinite: the reporting rank is the one whose numbers went non-finite. False: nobody can tell
+    # (an FSDP2 loop's reduce-scatter spreads them), and rank 0 reports it.
+    origin_known: bool = True
 
 
 class RankExited(_Message):

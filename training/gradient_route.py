@@ -32,8 +32,9 @@ class GradientRoute:
         checks: LoopChecks | None,
         exact_resume: bool,
         before_collectives: Callable[[], float],
+        control: dist.ProcessGroup,
     ) -> None:
-        self.supervision, self.checks, self.exact_resume = supervision, checks, exact_resume
+        self.supervision, self.checks, self.exact_resume, self.control = supervision, checks, exact_resume, control
         self.before_collectives = before_collectives
         self.votes: torch.Tensor | None = None  # every rank's vote, summed, once it has ridden an all-reduce
         self._vote_sent = False
@@ -74,6 +75,17 @@ class GradientRoute:
             self._arrived(summed.to(votes.dtype))
         self._reduced(reduced)
         set_grads(params, reduced)
+
+    def ride(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over every rank in one small all-reduce on the API's gloo group, with the
+        step's vote riding (for a loop whose gradient all-reduce the API does not see: FSDP2)."""
+        self.before_collectives()
+        votes = self.supervision.votes()
+        flat = torch.cat([values.double(), votes.double()])
+        collectives.all_reduce(flat, Site.CONTROL, group=self.control)
+        self._vote_sent = True
+        self._arrived(flat[values.numel() :].to(votes.dtype))
+        return flat[: values.numel()]
 
     def _leaving(
         self, parameters: Callable[[], Sequence[torch.Tensor]], gradients: Callable[[], Sequence[torch.Tensor]]

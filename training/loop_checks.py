@@ -2,7 +2,8 @@
 
 A user's loop owns its collectives and its update, so the checks run where every rank's loop passes
 with the step's gradient all-reduced and the update not yet applied: the optimizer's step pre-hook.
-There, for a data-parallel model (DistributedDataParallel, or one process):
+There, for a data-parallel model (DistributedDataParallel, a loop that all-reduces through
+`Run.all_reduce_gradients`, or one process):
 - every step, the invariants on the all-reduced gradient: non-finite, or a norm far above the running
   p99, and the update is skipped (every gradient set to None, so the optimizer leaves every parameter
   and its state as they were);
@@ -14,12 +15,15 @@ There, for a data-parallel model (DistributedDataParallel, or one process):
 A failed check halts every rank before the update; the workflow rolls the run back to the newest
 checkpoint at or before the last passing check (the watermark each checkpoint records).
 
-FSDP2 models (sharded parameters) have no replicas to compare and no local gradient to replay
-against: their loops get none of these checks yet.
+An FSDP2 model (sharded parameters) gets the invariants: every rank's sum of squares of its shard of
+the reduced gradient, summed in the small all-reduce that carries the step's vote anyway (so it
+costs no collective of its own). It has no replicas to compare and no local gradient to replay
+against, and a non-finite gradient is reported by rank 0, without the rank it came from.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,10 +59,12 @@ class LoopChecks:
         self.rank, self.model, self.faults, self.report, self.halt = rank, model, faults, report, halt
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.enabled = spec.enabled and not any(isinstance(p, DTensor) for p in self.params)
+        self.enabled = spec.enabled
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)  # FSDP2: the invariants only
         self.world_size = world_size
-        if spec.enabled and not self.enabled:
-            log.warning("no SDC checks: they need replicated parameters (DDP or one process), not FSDP2's shards")
+        # Sums values over every rank in one small all-reduce with the step's vote riding (set by the
+        # route): a sharded gradient's norm needs every rank's shard.
+        self.ride: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.step = 0
         self.replay: Callable[[], object] | None = None  # this rank's micro-batch of the step, again
         self.replay_of: Callable[[int], object] | None = None  # any rank's
@@ -114,11 +120,12 @@ class LoopChecks:
 
     def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         step, params = self.step, self.params
-        if not self.passed_through:  # one process: the gradient is this rank's own
-            self.faults.after_backward(step, [p.grad for p in params if p.grad is not None])
+        if not self.passed_through:  # one process, or FSDP2: the gradient (shard) as it stands
+            grads = [g.to_local() if isinstance(g, DTensor) else g for p in params if (g := p.grad) is not None]
+            self.faults.after_backward(step, grads)
         self.faults.before_update(step, params)
         checks = self._recomputations(step)
-        if self.guard.replicas_due(step):
+        if self.guard.replicas_due(step) and not self.sharded:
             failed = next((c for c in checks if c.method == "self" and not c.passed), None)
             blamed = 0 if failed is None or failed.culprit is None else 1 + failed.culprit
             grads = [p.grad for p in params if p.grad is not None]
@@ -141,7 +148,7 @@ class LoopChecks:
         all-reduced one is put back after): the cross-rank check (a collective: every rank that
         hands over `replay_of` takes part), then this rank's self-check where it is its turn."""
         own_known = (self.passed_through and bool(self.own)) or self.world_size == 1
-        if not (self.enabled and own_known):
+        if not (self.enabled and own_known) or self.sharded:
             return []
         params = [p for p in self.params if p.grad is not None]
         reduced = flat_grads(params).clone()
@@ -176,7 +183,13 @@ class LoopChecks:
 
     def _screen(self, step: int) -> None:
         """The invariants on the all-reduced gradient: a step that breaks one is not applied."""
-        if len(self.bucket_norms) == 1:
+        if self.sharded and self.ride is not None:
+            shards = [g.to_local() for p in self.params if isinstance(g := p.grad, DTensor)]
+            squares = sum(
+                (torch.linalg.vector_norm(s.double()) ** 2 for s in shards), torch.zeros((), dtype=torch.float64)
+            )
+            norm = math.sqrt(float(self.ride(squares.reshape(1))[0]))
+        elif len(self.bucket_norms) == 1:
             norm = float(self.bucket_norms[0])
         elif self.bucket_norms:
             norm = float(torch.linalg.vector_norm(torch.stack(self.bucket_norms)))

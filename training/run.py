@@ -150,7 +150,11 @@ class Run:
                 self._report,
                 self._halt,
             )
-        self.route = route = GradientRoute(self.supervision, self.checks, exact_resume, self._before_collectives)
+        self.route = route = GradientRoute(
+            self.supervision, self.checks, exact_resume, self._before_collectives, self.control
+        )
+        if self.checks is not None:
+            self.checks.ride = route.ride
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:

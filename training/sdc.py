@@ -332,8 +332,9 @@ class SdcGuard:
             own = went_nonfinite()
             reports: list[Anomaly | SdcCheck] = []
             if own or (own is None and self.rank == 0):
-                where = f"on rank {self.rank}" if own else "in the all-reduced gradient"
-                reports.append(self._anomaly(step, "nonfinite", f"{why} {where}: update skipped"))
+                where = f"on rank {self.rank}" if own else "in the all-reduced gradient, from a rank unknown"
+                detail = f"{why} {where}: update skipped"
+                reports.append(self._anomaly(step, "nonfinite", detail, origin_known=own is not None))
             return Verdict(apply=False, skipped=why, reports=reports)
         ceiling = self.spec.grad_spike_factor * self.p99
         if norm > ceiling:
@@ -346,5 +347,9 @@ class SdcGuard:
             self.p99 = sorted(self.norms)[math.ceil(0.99 * len(self.norms)) - 1]  # nearest rank
         return Verdict()
 
-    def _anomaly(self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str) -> Anomaly:
-        return Anomaly(rank=self.rank, generation=self.generation, step=step, kind=kind, detail=detail)
+    def _anomaly(
+        self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str, origin_known: bool = True
+    ) -> Anomaly:
+        return Anomaly(
+            rank=self.rank, generation=self.generation, step=step, kind=kind, detail=detail, origin_known=origin_known
+        )

@@ -135,15 +135,15 @@ def anomaly(book: RunBook, event: AnomalyFound) -> None:
     """A step's update was skipped on every rank and training went on: recorded, with the rank whose
     numbers went non-finite, for a person to investigate."""
     found, status = event.anomaly, book.status
-    nonfinite = found.kind == "nonfinite"
+    named = found.kind == "nonfinite" and found.origin_known
     book.detect(
         Detection(
             at=workflow.now(),
             generation=status.generation,
             kind=found.kind,
             step=found.step,
-            node=status.node_of(found.rank) if nonfinite else None,
-            rank=found.rank if nonfinite else None,
+            node=status.node_of(found.rank) if named else None,
+            rank=found.rank if named else None,
             evidence=found.detail,
             actions=[f"every rank skipped the update of step {found.step}; the weights are untouched"],
         )

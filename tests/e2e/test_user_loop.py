@@ -154,21 +154,29 @@ async def test_a_deterministically_wrong_rank_passes_its_replays_and_fails_the_c
     assert check.last_verified == 15 and interruption.resumed_from == 15
 
 
+@pytest.mark.parametrize("wrapping", ["ddp", "fsdp2"])
 async def test_a_nan_loss_and_a_gradient_spike_skip_their_update_on_every_rank_and_interrupt_nothing(
-    client: Client, tmp_path: Path
+    client: Client, tmp_path: Path, wrapping: str
 ) -> None:
-    paths = (tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt")
+    root, out, samples = tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt"
+    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "30"]
     faults = [
         {"kind": "nan_loss", "rank": 2, "at_step": 8},
         {"kind": "grad_spike", "rank": 0, "at_step": 30, "factor": 1000},
     ]
-    handle = await start(client, loop_spec(*paths, faults=faults), "user-loop-nan-spike")
+    fsdp = ["--fsdp"] if wrapping == "fsdp2" else []
+    spec = loop_spec(root, out, samples, entrypoint=entrypoint + fsdp, faults=faults)
+    handle = await start(client, spec, f"user-loop-nan-spike-{wrapping}")
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
     assert result.interruptions == [], "a skipped update interrupts nothing"
     nonfinite, spike = await handle.query(RunWorkflow.detections)
-    assert (nonfinite.kind, nonfinite.step, nonfinite.rank, nonfinite.node) == ("nonfinite", 8, 2, "n2")
-    assert (spike.kind, spike.step) == ("grad_spike", 30)
+    assert (nonfinite.kind, nonfinite.step, spike.kind, spike.step) == ("nonfinite", 8, "grad_spike", 30)
+    if wrapping == "ddp":  # each bucket's sum as it entered the all-reduce names the rank
+        assert (nonfinite.rank, nonfinite.node) == (2, "n2")
+    else:  # FSDP2's reduce-scatter spreads it: the norm of the shards finds it, nobody can say whose
+        assert (nonfinite.rank, nonfinite.node) == (None, None)
+        assert "from a rank unknown" in nonfinite.evidence
     assert (await handle.query(RunWorkflow.health)).skipped_updates == 2
 
 
