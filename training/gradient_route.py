@@ -17,7 +17,7 @@ import torch.distributed as dist
 from stayalive.core.hangs import Site
 from stayalive.training import collectives
 from stayalive.training.loop_checks import LoopChecks
-from stayalive.training.sdc import set_grads
+from stayalive.training.sdc import flat_grads, set_grads
 from stayalive.training.supervision import Supervision
 
 EXACT_DTYPES = (torch.float32, torch.float64)
@@ -60,7 +60,7 @@ class GradientRoute:
         params = [p for p in params if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         self._leaving(lambda: params, lambda: grads)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = flat_grads(params)
         if self.checks is not None:
             self.checks.entering(flat)
         if average:
@@ -108,6 +108,6 @@ def plain_all_reduce(params: Iterable[torch.nn.Parameter], average: bool) -> Non
     params = [p for p in params if p.grad is not None]
     if not (dist.is_initialized() and params):
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+    flat = flat_grads(params)
     dist.all_reduce(flat.div_(dist.get_world_size() if average else 1))
     set_grads(params, flat)

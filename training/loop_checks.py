@@ -132,7 +132,7 @@ class LoopChecks:
             fingerprints, blame = self.guard.gather([*params, *grads], blamed)
             checks.append(self.guard.replicas(step, fingerprints))
             if blame and failed is None:  # another rank's replay differed: halt with it
-                checks.append(self._blamed(step, blame - 1))
+                checks.append(self.guard.blamed(step, blame - 1))
         for check in checks:
             if check.method == "self" or self.rank == 0:
                 self.report(check)
@@ -168,18 +168,6 @@ class LoopChecks:
         for param in params:
             if (own := self.own.get(param)) is not None and param.grad is not None:
                 param.grad.copy_(own)
-
-    def _blamed(self, step: int, culprit: int) -> SdcCheck:
-        return SdcCheck(
-            rank=self.rank,
-            generation=self.guard.generation,
-            step=step,
-            method="self",
-            passed=False,
-            culprit=culprit,
-            last_verified=self.guard.last_verified,
-            detail=f"rank {culprit}'s replay differs",
-        )
 
     def _screen(self, step: int) -> None:
         """The invariants on the all-reduced gradient: a step that breaks one is not applied."""

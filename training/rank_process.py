@@ -20,7 +20,7 @@ log = structlog.get_logger()
 _stacks: TextIO | None = None  # open for the life of the process: faulthandler writes into it
 
 
-def watch_from_outside(generation: int) -> None:
+def watch_from_outside() -> None:
     """On SIGUSR1 every thread's Python stack goes to STAYALIVE_STACK_FILE, even while blocked in a
     collective; collective counts go to STAYALIVE_PROGRESS_FILE (core/hangs.py reads both)."""
     global _stacks
@@ -30,7 +30,6 @@ def watch_from_outside(generation: int) -> None:
         faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
     if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):
         collectives.track(Path(progress_file))
-    collectives.begin(generation)
 
 
 def execute_again(env: dict[str, str]) -> None:

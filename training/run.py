@@ -128,7 +128,8 @@ class Run:
             dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
-        rank_process.watch_from_outside(config.generation)
+        rank_process.watch_from_outside()
+        collectives.begin(config.generation)
         hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
         self.channel = AgentChannel(config.agent, hello, config.run_token) if config.agent else None
         # The API's collectives run on gloo groups of their own, apart from the loop's (NCCL on GPUs):

@@ -42,6 +42,7 @@ NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
 P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free
 FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
 FINGERPRINT_CHUNK = 1 << 20  # words fingerprinted at a time: the int64 copy and the weights stay small (8 MB)
+FINGERPRINT_MODULUS = (1 << 61) - 1  # a Mersenne prime: the fold stays an int64 and loses no bit's effect
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
@@ -63,9 +64,6 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
                 total = (total * 1_000_003 + summed) % FINGERPRINT_MODULUS
             group, size = [], 0
     return total
-
-
-FINGERPRINT_MODULUS = (1 << 61) - 1  # a Mersenne prime: the fold stays an int64 and loses no bit's effect
 
 
 def _weights(count: int) -> torch.Tensor:
@@ -270,6 +268,19 @@ class SdcGuard:
             detail=detail,
         )
 
+    def blamed(self, step: int, culprit: int) -> SdcCheck:
+        """The failed self-check of another rank, as this rank learns it from a summed flag."""
+        return SdcCheck(
+            rank=self.rank,
+            generation=self.generation,
+            step=step,
+            method="self",
+            passed=False,
+            culprit=culprit,
+            last_verified=self.last_verified,
+            detail=f"rank {culprit}'s replay differs",
+        )
+
     # -- the flags that ride the gradient all-reduce -------------------------------------------------
 
     def flags(self, loss: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
@@ -301,16 +312,7 @@ class SdcGuard:
         reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
         failed = next((c for c in checks if not c.passed), None)
         if failed is None and blamed > 0:  # another rank's replay differed: stop with it
-            failed = SdcCheck(
-                rank=self.rank,
-                generation=self.generation,
-                step=step,
-                method="self",
-                passed=False,
-                culprit=int(blamed) - 1,
-                last_verified=self.last_verified,
-                detail=f"rank {int(blamed) - 1}'s replay differs",
-            )
+            failed = self.blamed(step, int(blamed) - 1)
         if failed is not None:
             return Verdict(apply=False, failed=failed, reports=reports)
         if passed > 0 or checks:
@@ -339,8 +341,8 @@ class SdcGuard:
         ceiling = self.spec.grad_spike_factor * self.p99
         if norm > ceiling:
             why = f"gradient norm {norm:.3g} > {ceiling:.3g} ({self.spec.grad_spike_factor:g} × the running p99)"
-            spike = [self._anomaly(step, "grad_spike", f"{why}: update skipped")] if self.rank == 0 else []
-            return Verdict(apply=False, skipped=why, reports=list(spike))
+            spike: list[Anomaly | SdcCheck] = [self._anomaly(step, "grad_spike", f"{why}: update skipped")]
+            return Verdict(apply=False, skipped=why, reports=spike if self.rank == 0 else [])
         self.norms.append(norm)
         self.counted += 1
         if self.counted >= NORMS_BEFORE_SPIKES and self.counted % P99_EVERY == 0:

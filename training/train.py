@@ -12,16 +12,13 @@ joins the next generation's group in place (training/elastic.py).
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import functools
 import math
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
 from enum import Enum
-from pathlib import Path
 
 import structlog
 import torch
@@ -32,7 +29,7 @@ from stayalive.core.escalation import rebalance
 from stayalive.core.hangs import Site
 from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
-from stayalive.training import collectives, memory
+from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, Manifest, within_root
 from stayalive.training.checkpointer import Checkpointer, Identity
@@ -176,12 +173,7 @@ class Trainer:
         self.stream = SampleStream(corpus, self.gpt_config.block_size, args.global_batch, args.seed)
         self.channel: AgentChannel | None = None
         self.durable: str | None = None  # the newest checkpoint known whole on storage (host memory keeps it)
-        if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
-            # On SIGUSR1 every thread's Python stack goes to this file, even while blocked in a collective.
-            self.stacks = open(stack_file, "a")  # noqa: SIM115 - open for the life of the process
-            faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
-        if progress_file := os.environ.get("STAYALIVE_PROGRESS_FILE"):
-            collectives.track(Path(progress_file))  # read by the agent with the stacks: core/hangs.py
+        rank_process.watch_from_outside()
 
     def report(self, message: BaseModel) -> None:
         if self.channel is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -84,47 +85,66 @@ async def test_a_killed_rank_resumes_from_host_memory_bitwise_and_no_sample_is_l
     assert_ends_as_uninterrupted(out, samples, reference)
 
 
-async def test_a_bit_flip_in_a_ranks_gradient_fails_its_replay_and_the_run_rolls_back_past_it(
-    client: Client, tmp_path: Path, reference: Reference
-) -> None:
-    # Checks every 10 steps, checkpoints every 5: the replica checks at 10 and 20 pass; at 30 it is
-    # rank 3's turn to replay its step (the loop hands it over), and rank 3's gradient had a bit flipped.
-    out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
-    faults = [{"kind": "bitflip", "rank": 3, "at_step": 30}]
-    spec = loop_spec(tmp_path / "checkpoints", out, samples, sdc={"self_check_every": 10}, faults=faults)
-    handle = await start(client, spec, "user-loop-bitflip")
-    result = await handle.result()
-    assert result.state == RunState.COMPLETED, result.failure
-    (sdc,) = result.interruptions
-    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, 3, "n2"), "the rank and its node are named"
-    assert sdc.detected_by == "bitwise self-check replay"
-    assert sdc.sdc_check is not None and (sdc.sdc_check.step, sdc.sdc_check.last_verified) == (30, 20)
-    assert sdc.resumed_from == 20, "back to the newest checkpoint at or before the last passing check"
-    first = {c.step: c for c in await handle.query(RunWorkflow.checkpoints) if c.generation == 0}
-    assert first[25].suspect, "written after the last passing check"
-    assert "n2" not in (await handle.query(RunWorkflow.status_query)).nodes
-    assert_ends_as_uninterrupted(out, samples, reference)
+@dataclass(frozen=True)
+class Corruption:
+    """A silent corruption planted in one rank, and what the run must say of it."""
+
+    fault: dict[str, object]
+    rank: int
+    node: str
+    detected_by: str
+    detail: str
+    checked_at: int  # the step whose check fails
+    last_verified: int  # the last check that passed: the run resumes from it
+    suspect: int  # a checkpoint written after it
 
 
-async def test_a_flipped_weight_on_one_rank_is_caught_by_the_replica_check(
-    client: Client, tmp_path: Path, reference: Reference
-) -> None:
+CORRUPTIONS = {
+    # Checks every 10 steps, checkpoints every 5: the checks at 10 and 20 pass; at 30 it is rank 3's
+    # turn to replay its step (the loop hands it over), and rank 3's gradient had a bit flipped.
+    "bitflip": Corruption(
+        fault={"kind": "bitflip", "rank": 3, "at_step": 30},
+        rank=3,
+        node="n2",
+        detected_by="bitwise self-check replay",
+        detail="rank 3",  # its own replay's report, or another rank's word of it, whichever lands first
+        checked_at=30,
+        last_verified=20,
+        suspect=25,
+    ),
     # Rank 1's weights take a bit flip at step 13: its replica differs from the others' at the check
     # of step 20. Nothing in its own computation is inconsistent, so only the comparison finds it.
+    "weightflip": Corruption(
+        fault={"kind": "weightflip", "rank": 1, "at_step": 13},
+        rank=1,
+        node="n1",
+        detected_by="cross-rank check of data-parallel replicas",
+        detail="rank 1's weights or gradient differ from the other 3 replicas'",
+        checked_at=20,
+        last_verified=10,
+        suspect=15,
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+async def test_a_corrupted_rank_is_named_and_the_run_rolls_back_past_it_and_ends_as_if_untouched(
+    client: Client, tmp_path: Path, reference: Reference, corruption: Corruption
+) -> None:
     out, samples = tmp_path / "final.pt", tmp_path / "samples.txt"
-    faults = [{"kind": "weightflip", "rank": 1, "at_step": 13}]
-    spec = loop_spec(tmp_path / "checkpoints", out, samples, sdc={"self_check_every": 10}, faults=faults)
-    handle = await start(client, spec, "user-loop-weightflip")
+    spec = loop_spec(tmp_path / "checkpoints", out, samples, sdc={"self_check_every": 10}, faults=[corruption.fault])
+    handle = await start(client, spec, f"user-loop-{corruption.fault['kind']}")
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
     (sdc,) = result.interruptions
-    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, 1, "n1")
-    assert sdc.detected_by == "cross-rank check of data-parallel replicas"
-    assert sdc.sdc_check is not None and (sdc.sdc_check.step, sdc.sdc_check.last_verified) == (20, 10)
-    assert "rank 1's weights or gradient differ from the other 3 replicas'" in sdc.detail
-    assert sdc.resumed_from == 10
+    assert (sdc.cause, sdc.rank, sdc.node) == (Cause.SDC, corruption.rank, corruption.node), "rank and node named"
+    assert sdc.detected_by == corruption.detected_by and corruption.detail in sdc.detail
+    check = sdc.sdc_check
+    assert check is not None and (check.step, check.last_verified) == (corruption.checked_at, corruption.last_verified)
+    assert sdc.resumed_from == corruption.last_verified, "back to the newest checkpoint at the last passing check"
     first = {c.step: c for c in await handle.query(RunWorkflow.checkpoints) if c.generation == 0}
-    assert first[15].suspect, "written after the last passing check"
+    assert first[corruption.suspect].suspect, "written after the last passing check"
+    assert corruption.node not in (await handle.query(RunWorkflow.status_query)).nodes
     assert_ends_as_uninterrupted(out, samples, reference)
 
 
