@@ -275,21 +275,17 @@ def samples_once(reports: list[StepReport], resumed: list[int], target: int, glo
 
 async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeout: float = 120.0) -> int:
     """Wait until the run's first node reports `step` (its ranks' steps, batched per node), reading
-    its agent's live telemetry as the run monitor does."""
+    its agent's live telemetry as the run monitor does; the newest step it reported. Its records are
+    followed from the run's start (RecordCollector), so a run that got there before this looked is
+    seen there all the same."""
     status = await wait_until(handle, lambda s: s.generation == 0 and s.state != RunState.PENDING, timeout=timeout)
-    hub = (await hubs(client, status.nodes[:1]))[status.nodes[0]]
-    reader, writer = await subscribe(hub, Subscribe(run_id=status.run_id))
+    node = status.nodes[0]
+    collector = RecordCollector(client, handle, [node])
     try:
-        async with asyncio.timeout(timeout):
-            while line := await reader.readline():
-                if line.startswith(b'{"t":"beat"'):
-                    continue
-                message = Record.model_validate_json(line).message
-                if isinstance(message, NodeSteps) and message.step >= step:
-                    return message.step
+        await collector.caught_up(node, step, timeout)
     finally:
-        writer.close()
-    raise TimeoutError(f"{handle.id}: step {step} not reached")
+        records = collector.stop()
+    return max(r.step for r in step_reports([r for r in records if r.node == node]))
 
 
 async def activity_log(client: Client, handle: WorkflowHandle) -> list[tuple[str, str, object]]:

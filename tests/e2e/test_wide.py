@@ -31,7 +31,7 @@ from tests.helpers import (
 
 NODES = [f"w{i}" for i in range(1, 8)]
 GLOBAL_BATCH = 30  # shares evenly among 6 ranks and among 5
-TARGET = 120  # long enough for a crash, the crashed node's self-test and a drain
+TARGET = 160  # long enough for a crash, the crashed node's self-test and a drain
 # What a run's history may schedule, at any width: its monitor, a hang's stack dumps, a webhook page.
 # Everything that touches nodes is one local activity for all of them.
 SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
