@@ -72,8 +72,12 @@ class LoopChecks:
         self.passed_through = False  # this step's gradient came through the API before its all-reduce
         self.bucket_norms: list[torch.Tensor] = []  # of the all-reduced gradient, bucket by bucket
         self.local_sums: list[torch.Tensor] = []  # of this rank's own, bucket by bucket: NaN or inf if it was
-        if self.enabled:
-            optimizer.register_step_pre_hook(self._before_update)
+        self._hook = optimizer.register_step_pre_hook(self._before_update) if self.enabled else None
+
+    def close(self) -> None:
+        """The generation is over (its process goes on into the next): these checks leave the optimizer."""
+        if self._hook is not None:
+            self._hook.remove()
 
     @property
     def last_verified(self) -> int:

@@ -96,14 +96,19 @@ class Run:
         state: dict[str, Stateful] | None = None,
         target_step: int | None = None,
         exact_resume: bool = False,
+        rejoin_in_place: bool = False,
     ) -> None:
         """`dataloader`: this rank's position in the data, saved per rank. `state`: more objects the
         same on every rank (an LR scheduler, say). `target_step`: where `steps()` ends outside
         stayalive; under stayalive the run spec's `target_step` decides. `exact_resume`: a DDP
         model's gradients are summed one tensor per all-reduce, so a resumed run ends bitwise equal
         to an uninterrupted one at any width (DDP's bucket layout changes after a process's first
-        step, and with it a ring all-reduce's summation order); it costs a collective per tensor."""
-        self.exact_resume = exact_resume
+        step, and with it a ring all-reduce's summation order); it costs a collective per tensor.
+        `rejoin_in_place`: the loop holds no process group of its own (no DDP or FSDP: it all-reduces
+        through `all_reduce_gradients` or on the default group) and reads `run.rank` and
+        `run.world_size` where it splits its data, so a held rank joins the next generation in its
+        own process, keeping its memory; otherwise it re-executes itself."""
+        self.exact_resume, self.rejoin_in_place = exact_resume, rejoin_in_place
         self.model, self.optimizer = model, optimizer
         self.per_rank = {"dataloader": dataloader} if dataloader is not None else {}
         self.shared = dict(state or {})
@@ -116,43 +121,59 @@ class Run:
         self.checks: LoopChecks | None = None
         self.route: GradientRoute | None = None
         self.speeds: list[float] | None = None  # the ranks' relative speeds, once stayalive asks for a rebalance
+        # This rank's place in the group (a rank that rejoins in place may take another).
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if "STAYALIVE_RUN_ID" not in os.environ:
             if target_step is None:
                 raise ValueError("outside stayalive, Run needs target_step: the step steps() ends at")
             self.config: SupervisionConfig | None = None
             self.target_step = target_step
             return
-        self.config = config = SupervisionConfig.from_env()
-        self.target_step = config.target_step
+        self.config = SupervisionConfig.from_env()
+        self.target_step = self.config.target_step
         if not dist.is_initialized():
             dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+        rank_process.watch_from_outside()
+        self.channel: AgentChannel | None = None
+        self._join(carried=False)
+        if isinstance(model, DistributedDataParallel):
+            # A lambda: DDP checks a hook's annotations against real classes, and this module's are strings.
+            model.register_comm_hook(None, lambda _, bucket: self._route().ddp_hook(bucket))
+
+    def _join(self, carried: bool) -> None:
+        """This process's part in a generation, its group already formed: the API's groups, the agent's
+        channel, the checks, the checkpoints, and the state to resume from (`carried`: this process
+        held in the last generation and keeps its own RNG streams and data position)."""
+        self.config = config = SupervisionConfig.from_env()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
-        rank_process.watch_from_outside()
         collectives.begin(config.generation)
         hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
-        self.channel = AgentChannel(config.agent, hello, config.run_token) if config.agent else None
+        if self.channel is not None:
+            self.channel.send(hello)  # the agent files this connection under the new rank and generation
+        elif config.agent:
+            self.channel = AgentChannel(config.agent, hello, config.run_token)
         # The API's collectives run on gloo groups of their own, apart from the loop's (NCCL on GPUs):
         # the command vote on the training thread, DCP's planning on the checkpoint writer's.
         self.control = dist.new_group(backend="gloo")
         checkpoint_group = dist.new_group(backend="gloo")
         self.faults = FaultInjector(config.faults, self.rank, config.generation, self.world_size)
         self.supervision = Supervision(config, self.rank, self.world_size, self.channel, group=self.control)
-        self.faults.attach(model)
-        if optimizer is not None:
+        self.faults.attach(self.model)
+        if self.optimizer is not None:
             self.checks = LoopChecks(
                 config.sdc,
                 self.rank,
                 self.world_size,
                 config.generation,
-                model,
-                optimizer,
+                self.model,
+                self.optimizer,
                 self.faults,
                 self._report,
                 self._halt,
             )
         self.route = route = GradientRoute(
-            self.supervision, self.checks, exact_resume, self._before_collectives, self.control
+            self.supervision, self.checks, self.exact_resume, self._before_collectives, self.control
         )
         if self.checks is not None:
             self.checks.ride = route.ride
@@ -181,10 +202,11 @@ class Run:
             durable=resume.name if resume is not None else None,
         )
         if resume is not None:
-            self._restore(resume, tier, checkpoint_group)
-        if isinstance(model, DistributedDataParallel):
-            # A lambda: DDP checks a hook's annotations against real classes, and this module's are strings.
-            model.register_comm_hook(None, lambda _, bucket: route.ddp_hook(bucket))
+            self._restore(resume, tier, checkpoint_group, carried)
+
+    def _route(self) -> GradientRoute:
+        assert self.route is not None
+        return self.route
 
     # -- the loop's side -----------------------------------------------------------------------------
 
@@ -319,19 +341,30 @@ class Run:
         sys.exit(EXIT_SDC)
 
     def _hold(self) -> None:
-        """Held at an agreed step: the checkpoint just saved reaches storage, then this process either
-        leaves or re-executes itself into the next generation, which resumes from that checkpoint."""
+        """Held at an agreed step: the checkpoint just saved reaches storage, then this process leaves,
+        or joins the next generation: in place, or re-executed (a model bound to its old group); either
+        way that generation resumes from this checkpoint, resharded."""
         assert self.config is not None
         held = self.config.checkpoint_dir / self.checkpointer.wait_committed(self.step)
         self._report(Held(rank=self.rank, generation=self.config.generation, step=self.step))
         rejoin = self.supervision.await_rejoin()
-        if self.channel is not None:
-            self.channel.close()
-        if rejoin is None:
-            log.info("leaving the group", step=self.step)
-            raise SystemExit(0)
-        log.info("rejoining as a new process", checkpoint=held.name, rank=rejoin.env.get("RANK"))
-        rank_process.execute_again(dict(os.environ) | rejoin.env | {"STAYALIVE_RESUME_FROM": str(held)})
+        env = rejoin.env | {"STAYALIVE_RESUME_FROM": str(held)} if rejoin is not None else {}
+        if rejoin is None or not self.rejoin_in_place:
+            if self.channel is not None:
+                self.channel.close()
+            if rejoin is None:
+                log.info("leaving the group", step=self.step)
+                raise SystemExit(0)
+            log.info("rejoining as a new process", checkpoint=held.name, rank=rejoin.env.get("RANK"))
+            rank_process.execute_again(dict(os.environ) | env)
+        log.info("rejoining in place", checkpoint=held.name, rank=env.get("RANK"))
+        os.environ.update(env)
+        self.faults.detach()
+        if self.checks is not None:
+            self.checks.close()
+        dist.destroy_process_group()  # every group: nothing is pending, every rank stopped after the same step
+        dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+        self._join(carried=True)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -351,14 +384,18 @@ class Run:
         state[f"ranks/{self.rank}"] = buffer.getvalue()
         return state
 
-    def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup) -> None:
+    def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup, carried: bool) -> None:
+        """Every rank loads the checkpoint (a rank carried over in place loads what it holds already,
+        so the group's ranks agree on every value): this rank's own part only where it was saved and
+        this process did not carry its own."""
         assert self.config is not None
         mine = f"ranks/{self.rank}"
 
         def state_for(manifest: DcpManifest) -> dict[str, Any]:
-            """The state as it is now, for DCP to load into (this rank's own part only if it was saved)."""
+            """The state as it is now, for DCP to load into."""
             current = self._state()
-            return current if self.rank < manifest.world_size else {k: v for k, v in current.items() if k != mine}
+            own = self.rank < manifest.world_size and not carried
+            return current if own else {k: v for k, v in current.items() if k != mine}
 
         try:
             directory = within_root(self.config.checkpoint_dir, resume)
@@ -383,7 +420,7 @@ class Run:
             set_rng_state(own.pop("rng"))
             for name, obj in self.per_rank.items():
                 obj.load_state_dict(own[name])
-        else:  # a rank the checkpoint did not have: fresh streams, from where its data begins
+        elif not carried:  # a rank the checkpoint did not have: fresh streams, from where its data begins
             reseed(self.step, self.rank)
         self._report(
             Resumed(

@@ -15,6 +15,7 @@ from temporalio.client import Client
 
 from stayalive.core.run import Cause, RunState
 from stayalive.core.spec import RunSpec
+from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.helpers import rank_pids, start, wait_for_step, wait_until
 
@@ -212,17 +213,27 @@ async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(client: Cli
     assert re.search(r"rank 3 never entered collective #\d+ \(the gradient all-reduce of step 30\)", hang.detail)
 
 
-async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(client: Client, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "rejoined"),
+    [([], "rejoining as a new process"), (["--manual", "--in-place"], "rejoining in place")],
+    ids=["re-executed", "in-place"],
+)
+async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(
+    client: Client, stack: DevStack, tmp_path: Path, flags: list[str], rejoined: str
+) -> None:
+    """A DDP model is bound to its group, so its survivors re-execute themselves; a loop that all-reduces
+    through the API and says so (`rejoin_in_place`) keeps its processes and their memory."""
     spec = loop_spec(
         tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt", spare_nodes=[], min_nodes=1
     )
+    spec = spec.model_copy(update={"entrypoint": [*spec.entrypoint, *flags]})
     handle = await start(client, spec, "user-loop-drain")
     await wait_for_step(client, handle, 10)
     await wait_until(handle, lambda s: s.state == RunState.RUNNING)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
     assert "continuing on 1 nodes" in outcome
-    assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors re-executed in place"
+    assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors kept their processes"
 
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
@@ -233,6 +244,8 @@ async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(clien
     steps = trained_samples(tmp_path / "samples.txt")
     assert {rank for (step, rank) in steps if step > drain.step} == {0, 1}
     assert max(step for step, _ in steps) == 40
+    logs = sorted(stack.state_dir.glob(f"nodes/n1/runs/{status.run_id}/g0/rank-*.log"))
+    assert [rejoined in log.read_text() for log in logs] == [True, True], f"the survivors' logs say '{rejoined}'"
 
 
 async def test_force_checkpoint_and_resume_from_a_named_step(client: Client, tmp_path: Path) -> None:

@@ -61,6 +61,9 @@ def main() -> None:
         help="noise from (step, rank) alone, so that any rank can replay any rank's micro-batch (the SDC "
         "cross-rank check); by default it comes from each rank's RNG streams, which a resume must restore",
     )
+    parser.add_argument(
+        "--in-place", action="store_true", help="with --manual: a held rank rejoins the next generation in its process"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=0.0, help="accelerator time to add to every step")
     args = parser.parse_args()
@@ -88,13 +91,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = Loader(len(inputs), 8, rank, world)
 
-    run = stayalive.Run(model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=True)
+    run = stayalive.Run(
+        model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=True, rejoin_in_place=args.in_place
+    )
     for step in run.steps():
+        rank, world = run.rank, run.world_size  # another place in another group, once rejoined in place
+        loader.rank, loader.world = rank, world
         before = loader.state_dict()
         samples = loader.next()
         noise = 0.01 * torch.randn(len(samples), 1) + 0.01 * random.random() + 0.01 * float(np.random.rand())
 
-        def samples_of(other: int, before: dict[str, Any] = before) -> list[int]:
+        def samples_of(other: int, before: dict[str, Any] = before, world: int = world) -> list[int]:
             theirs = Loader(len(inputs), 8, other, world)
             theirs.load_state_dict(before)
             return theirs.next()
