@@ -25,9 +25,10 @@ the loop's own through `run.all_reduce_gradients(params)`), which costs no colle
 stayalive asks for a rebalance (escalation S2), `run.speeds` holds the ranks' relative speeds for a
 loop that can split its batch unevenly.
 
-A held rank cannot rejoin a resized group in place (the user's model is bound to its old group), so
-it checkpoints, waits until storage has it, and re-executes itself into the next generation, which
-resumes from that checkpoint, resharded.
+A held rank waits until storage has the checkpoint of the held step, and joins the next generation,
+which resumes from that checkpoint, resharded: in place where the loop says its model is bound to no
+process group (`rejoin_in_place`), keeping its process and memory, else (DDP and FSDP2 bind theirs)
+by re-executing itself.
 
 Outside stayalive (no STAYALIVE_* environment) `Run` only counts steps, so the same script runs
 under plain torchrun.
