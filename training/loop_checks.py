@@ -66,6 +66,7 @@ class LoopChecks:
         # route): a sharded gradient's norm needs every rank's shard.
         self.ride: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.step = 0
+        self.updating = False  # a step of the loop's is under way and its update not yet made
         self.replay: Callable[[], object] | None = None  # this rank's micro-batch of the step, again
         self.replay_of: Callable[[int], object] | None = None  # any rank's
         self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
@@ -89,6 +90,7 @@ class LoopChecks:
 
     def begin(self, step: int) -> None:
         self.step, self.replay, self.replay_of, self.passed_through = step, None, None, False
+        self.updating = True
         self.own.clear()
         self.bucket_norms.clear()
         self.local_sums.clear()
@@ -123,6 +125,9 @@ class LoopChecks:
     # -- before the update (the optimizer's step pre-hook) --------------------------------------------
 
     def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if not self.updating:  # not the loop's update: DCP gives a fresh optimizer its state by a step
+            return
+        self.updating = False
         step, params = self.step, self.params
         if not self.passed_through:  # one process, or FSDP2: the gradient (shard) as it stands
             grads = [g.to_local() if isinstance(g, DTensor) else g for p in params if (g := p.grad) is not None]

@@ -147,6 +147,7 @@ class Run:
         held in the last generation and keeps its own RNG streams and data position)."""
         self.config = config = SupervisionConfig.from_env()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.speeds = None  # a rebalance is for the generation that asked for it
         configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
         collectives.begin(config.generation)
         hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
