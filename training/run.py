@@ -328,8 +328,8 @@ class Run:
         """Once per step, where its first collective begins: the compute time the straggler checks
         compare, and where a dying, hanging or slow GPU shows (fault injection)."""
         if self._compute_s is None:
-            self._compute_s = time.perf_counter() - self._started
-            self.faults.before_collective(self.step + 1, self._compute_s)
+            self.faults.before_collective(self.step + 1, time.perf_counter() - self._started)
+            self._compute_s = time.perf_counter() - self._started  # an injected straggler's too
         return self._compute_s
 
     def _last_verified(self) -> int:
