@@ -213,29 +213,45 @@ async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(client: Cli
     assert re.search(r"rank 3 never entered collective #\d+ \(the gradient all-reduce of step 30\)", hang.detail)
 
 
-DRAINED_TARGET = 80
+DRAINED_TARGET = 80  # long enough that the survivors are still training when the test asks for their pids
 
 
-@pytest.mark.parametrize(
-    ("flags", "rejoined"),
-    [([], "rejoining as a new process"), (["--manual", "--in-place"], "rejoining in place")],
-    ids=["re-executed", "in-place"],
-)
-async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(
-    client: Client, stack: DevStack, tmp_path: Path, flags: list[str], rejoined: str
+@dataclass(frozen=True)
+class Drain:
+    flags: list[str]  # the loop's: DDP by default, or its own all-reduce rejoining in place
+    spares: list[str]
+    outcome: str  # what the drain says it did
+    nodes: list[str]  # the run's nodes after it
+    rejoined: str  # what the survivors' logs say
+
+
+DRAINS = {
+    "re-executed": Drain([], [], "continuing on 1 nodes", ["n1"], "rejoining as a new process"),
+    "in-place": Drain(["--manual", "--in-place"], [], "continuing on 1 nodes", ["n1"], "rejoining in place"),
+    # The spare's ranks start fresh and load the held checkpoint together with the survivors, who load
+    # what they hold. (DCP gives a fresh optimizer its state by stepping it: the SDC checks must not take
+    # that step for the loop's update, or the fresh ranks would enter a collective the survivors never do.)
+    "in-place, a spare joins": Drain(
+        ["--manual", "--in-place"], ["n3"], "replaced n2 with spare n3", ["n1", "n3"], "rejoining in place"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DRAINS.values(), ids=DRAINS.keys())
+async def test_a_drain_goes_on_resharded_from_the_agreed_step(
+    client: Client, stack: DevStack, tmp_path: Path, case: Drain
 ) -> None:
     """A DDP model is bound to its group, so its survivors re-execute themselves; a loop that all-reduces
     through the API and says so (`rejoin_in_place`) keeps its processes and their memory."""
     paths = (tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt")
-    # Long enough that the survivors are still training when the test asks for their pids.
-    spec = loop_spec(*paths, spare_nodes=[], min_nodes=1, target_step=DRAINED_TARGET)
-    spec = spec.model_copy(update={"entrypoint": [*spec.entrypoint, *flags]})
+    spec = loop_spec(*paths, spare_nodes=case.spares, min_nodes=1, target_step=DRAINED_TARGET)
+    spec = spec.model_copy(update={"entrypoint": [*spec.entrypoint, *case.flags]})
     handle = await start(client, spec, "user-loop-drain")
     await wait_for_step(client, handle, 10)
     await wait_until(handle, lambda s: s.state == RunState.RUNNING)
     survivors = (await rank_pids(client, handle))["n1"]
     outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
-    assert "continuing on 1 nodes" in outcome
+    assert case.outcome in outcome
     assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors kept their processes"
 
     result = await handle.result()
@@ -243,43 +259,13 @@ async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(
     (drain,) = result.interruptions
     assert drain.cause == Cause.DRAIN and drain.step is not None
     status = await handle.query(RunWorkflow.status_query)
-    assert status.nodes == ["n1"] and status.world_size == 2
+    world_size = 2 * len(case.nodes)
+    assert status.nodes == case.nodes and status.world_size == world_size
     steps = trained_samples(tmp_path / "samples.txt")
-    assert {rank for (step, rank) in steps if step > drain.step} == {0, 1}
+    assert {rank for (step, rank) in steps if step > drain.step} == set(range(world_size))
     assert max(step for step, _ in steps) == DRAINED_TARGET
     logs = sorted(stack.state_dir.glob(f"nodes/n1/runs/{status.run_id}/g0/rank-*.log"))
-    assert [rejoined in log.read_text() for log in logs] == [True, True], f"the survivors' logs say '{rejoined}'"
-
-
-async def test_a_spare_joins_the_survivors_that_rejoin_in_place_and_the_run_completes(
-    client: Client, stack: DevStack, tmp_path: Path
-) -> None:
-    """The spare's ranks start fresh and load the held checkpoint together with the survivors, who
-    load what they hold. (DCP gives a fresh optimizer its state by stepping it: the SDC checks must
-    not take that step for the loop's update, or the fresh ranks would enter a collective the
-    survivors never do.)"""
-    paths = (tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt")
-    spec = loop_spec(*paths, target_step=DRAINED_TARGET)
-    spec = spec.model_copy(update={"entrypoint": [*spec.entrypoint, "--manual", "--in-place"]})
-    handle = await start(client, spec, "user-loop-spare")
-    await wait_for_step(client, handle, 10)
-    await wait_until(handle, lambda s: s.state == RunState.RUNNING)
-    survivors = (await rank_pids(client, handle))["n1"]
-    outcome = await handle.execute_update(RunWorkflow.drain_node, DrainNode(node="n2", reason="fan failing"))
-    assert "replaced n2 with spare n3" in outcome
-    assert (await rank_pids(client, handle))["n1"] == survivors, "the survivors kept their processes"
-
-    result = await handle.result()
-    assert result.state == RunState.COMPLETED, result.failure
-    (drain,) = result.interruptions
-    assert drain.cause == Cause.DRAIN and drain.step is not None
-    status = await handle.query(RunWorkflow.status_query)
-    assert status.nodes == ["n1", "n3"] and status.world_size == 4
-    steps = trained_samples(tmp_path / "samples.txt")
-    assert {rank for (step, rank) in steps if step > drain.step} == {0, 1, 2, 3}
-    assert max(step for step, _ in steps) == DRAINED_TARGET
-    logs = sorted(stack.state_dir.glob(f"nodes/n1/runs/{status.run_id}/g0/rank-*.log"))
-    assert ["rejoining in place" in log.read_text() for log in logs] == [True, True]
+    assert [case.rejoined in log.read_text() for log in logs] == [True, True], f"the logs say '{case.rejoined}'"
 
 
 async def test_force_checkpoint_and_resume_from_a_named_step(client: Client, tmp_path: Path) -> None:
