@@ -156,18 +156,20 @@ class LoopChecks:
         """The checks that recompute a micro-batch, with this rank's own gradient in place (the
         all-reduced one is put back after): the cross-rank check (a collective: every rank that
         hands over `replay_of` takes part), then this rank's self-check where it is its turn."""
+        cross_due = self.replay_of is not None and self.guard.cross_check_due(step)
+        self_due = (self.replay or self.replay_of) is not None and self.guard.self_check_due(step)
         own_known = (self.passed_through and bool(self.own)) or self.world_size == 1
-        if not (self.enabled and own_known) or self.sharded:
+        if not (self.enabled and own_known and (cross_due or self_due)) or self.sharded:
             return []
         params = [p for p in self.params if p.grad is not None]
-        reduced = flat_grads(params).clone()
+        reduced = flat_grads(params)  # a copy: the replays overwrite the gradients
         checks = []
-        if self.replay_of is not None and self.guard.cross_check_due(step):
+        if cross_due:
             self._own_in_place(params)
             self.guard.calibrate(params, self._replay_of)  # once: it sets the tolerance
             self._own_in_place(params)
             checks.append(self.guard.cross_check(step, params, self._replay_of))
-        if (self.replay or self.replay_of) is not None and self.guard.self_check_due(step):
+        if self_due:
             self._own_in_place(params)
             checks.append(self.guard.self_check(step, params, lambda: self._replay_of(self.rank)))
         set_grads(params, reduced)
