@@ -36,7 +36,6 @@ from stayalive.training.checkpoint import (
     CheckpointError,
     parse_checkpoint_dirname,
     read_fence,
-    read_manifest,
     within_root,
 )
 from stayalive.training.dcp_format import read_dcp_manifest
@@ -320,14 +319,10 @@ async def choose_checkpoint(input: ChooseInput) -> list[CheckpointRecord]:
 
 def _record(path: Path, step: int, generation: int, verdict: Verdict) -> CheckpointRecord:
     try:
-        manifest = read_manifest(path)
-        blocking, last_verified = max(s.blocking_s for s in manifest.shards), manifest.last_verified_step
+        manifest = read_dcp_manifest(path)
+        blocking, last_verified = manifest.blocking_s, manifest.last_verified_step
     except CheckpointError:
-        try:  # the public API's format (training/dcp_format.py)
-            dcp_manifest = read_dcp_manifest(path)
-            blocking, last_verified = dcp_manifest.blocking_s, dcp_manifest.last_verified_step
-        except CheckpointError:
-            blocking, last_verified = 0.0, 0
+        blocking, last_verified = 0.0, 0
     return CheckpointRecord(
         step=step,
         path=str(path),

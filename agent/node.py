@@ -326,7 +326,7 @@ class NodeAgent:
     async def _rejoin(self, launch: NodeLaunch) -> list[RankProcess]:
         """Hand each surviving process its place in the new generation, in order (ranks on a node are
         contiguous before and after a resize); it keeps its memory and pid. A node new to the run has
-        none and starts its ranks fresh (they take rank 0's state); a node that held some and lost one
+        none and starts its ranks fresh (they load the held checkpoint); a node that held some and lost one
         cannot rejoin: the run restarts from the held checkpoint instead."""
         held = self.ranks.get(launch.run_id, [])
         alive = sorted((r for r in held if r.exit_code is None), key=lambda r: r.rank)

@@ -3,19 +3,28 @@
 A checkpoint costs a run the seconds its step is blocked (the `C` of Young/Daly), so that is the number
 to beat. One run measures, for the same ≥100M-parameter model with populated AdamW state:
 
-    stayalive    Checkpointer.save (copy into reused staging buffers), then tmpfs tier + fsynced storage
+    stayalive    what `stayalive.Run.checkpoint()` does on one rank: get_state_dict's model + optimizer
+                 state dicts and the rank's RNG streams, staged into CPU buffers kept between saves
+                 (training/state_checkpointer.py), then dcp.save into the tmpfs tier, then copied to
+                 fsynced storage and committed with its manifest (training/commit.py)
     torch_save   synchronous torch.save of model + optimizer state dicts to one file, flushed and fsynced
     dcp_async    torch.distributed.checkpoint.async_save of get_state_dict's model + optimizer state dicts
+
+stayalive's checkpointer is driven directly (a StateCheckpointer and its Committer, built the way
+`Run` builds them), not through `Run`: `Run` has a host-memory tier only with a node agent
+(STAYALIVE_AGENT, which its channel connects to), and without the tier the checkpoint would stage
+on storage instead of in memory. The checkpointer itself needs no agent for a tier on one node with
+one rank: nothing fetches from it, and there is no replica to send to.
 
 Each method runs in its own process, so its peak memory is its own: the growth of the peak resident set
 over the peak right after the state was built (one fused-AdamW step, gradients included), i.e. how far
 checkpointing lifts training's own peak. "tmpfs MiB" is what stays in host memory outside the process
-(stayalive's memory tier keeps the last two shards). Blocking time counts from handing the state over
-(state dicts included) until training may continue; total time until the checkpoint is durable. Each
-method saves several times with a training step in between; "steady" is the median of the saves after
-the first (staging buffers already allocated where the method keeps them; DCP's default stager copies
-into fresh memory every time, and its cached stager needs pinned memory, i.e. an accelerator). The bar:
-stayalive's steady blocking time is at most 10% of torch.save's and no worse than async_save's.
+(stayalive's memory tier keeps the last two checkpoints). Blocking time counts from handing the state
+over (state dicts included) until training may continue; total time until the checkpoint is durable
+(stayalive's: committed). Each method saves several times with a training step in between; "steady"
+is the median of the saves after the first (staging buffers already allocated where the method keeps
+them; DCP's async_save makes a fresh stager, so fresh memory, for every save). The bar: stayalive's
+steady blocking time is at most 10% of torch.save's and no worse than async_save's.
 
     python -m bench.checkpoint [--quick] [--dir DIR]
 """
@@ -23,6 +32,7 @@ stayalive's steady blocking time is at most 10% of torch.save's and no worse tha
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -35,6 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,17 +55,17 @@ from rich.table import Table
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from stayalive.training.checkpointer import Checkpointer, Identity
+from stayalive.training.commit import Committer
 from stayalive.training.faults import FaultInjector
 from stayalive.training.memory import MemoryTier
-from stayalive.training.state import TrainState
+from stayalive.training.rng import rng_state
+from stayalive.training.state_checkpointer import StateCheckpointer
 
 HIDDEN = 4096
 LAYERS = 6  # 6 × (4096² + 4096) = 100.7M parameters; with AdamW's two moments, 1.2 GB of state
 BATCH = 8
 REPO = Path(__file__).resolve().parent.parent
-
-SaveFn = Callable[[TrainState], tuple[float, float]]  # one checkpoint → (blocking s, total s)
+RUN_ID = "bench/00000000"  # the memory tier takes only run ids of stayalive's form
 
 
 @dataclass
@@ -77,55 +88,90 @@ class Measured:
 # ── in the worker process: one method ────────────────────────────────────────────────────────────────
 
 
-def build_state() -> TrainState:
+@dataclass
+class Training:
+    """What a checkpoint saves: the model, its optimizer, and the last step completed."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+
+
+SaveFn = Callable[[Training], tuple[float, float]]  # one checkpoint → (blocking s, total s)
+
+
+def build_training() -> Training:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)))
-    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-    train_step(state)  # AdamW allocates exp_avg / exp_avg_sq on its first step
-    return state
+    training = Training(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    train_step(training)  # AdamW allocates exp_avg / exp_avg_sq on its first step
+    return training
 
 
-def train_step(state: TrainState) -> None:
-    loss = state.model(torch.randn(BATCH, HIDDEN)).pow(2).mean()
+def train_step(training: Training) -> None:
+    loss = training.model(torch.randn(BATCH, HIDDEN)).pow(2).mean()
     loss.backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad()
-    state.step += 1
+    training.optimizer.step()
+    training.optimizer.zero_grad()
+    training.step += 1
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def run_state(training: Training) -> dict[str, Any]:
+    """One rank's checkpoint as `Run` saves it (training/run.py `Run._state`): DCP state dicts of the
+    model and optimizer, and the rank's own RNG streams as one opaque value."""
+    model, optimizer = get_state_dict(training.model, training.optimizer)
+    own = io.BytesIO()
+    torch.save({"rng": rng_state()}, own)
+    return {"model": model, "optim": optimizer, "ranks/0": own.getvalue()}
+
+
 @contextmanager
 def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
-    checkpointer = Checkpointer(
+    # A single-rank gloo group, as `Run` has; its checkpointer plans DCP's writes on a group of its own.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    committer = Committer(
         directory=storage,
-        rank=0,
-        world_size=1,
+        run_id=RUN_ID,
+        generation=0,
         store=dist.HashStore(),
-        identity=Identity(run_id="bench/00000000", generation=0, config_digest="bench", model={}, global_batch=1),
         # One rank on one node: no agent serves this tier (nothing fetches from it), and no replica.
         tier=MemoryTier(directory=tmpfs, hub="127.0.0.1:0", replica_hub=None, token=""),
         faults=FaultInjector([], 0, 0),
+    )
+    checkpointer = StateCheckpointer(
+        committer,
+        rank=0,
+        world_size=1,
+        group=dist.new_group(backend="gloo"),
+        config_digest="bench",
         on_commit=lambda manifest, path: None,
+        on_outage=lambda step, since, error: None,
+        durable=None,
     )
 
-    def save(state: TrainState) -> tuple[float, float]:
+    def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        blocking = checkpointer.save(state)
+        checkpointer.save(training.step, run_state(training))  # what `run.checkpoint()` blocks the step for
+        blocking = time.perf_counter() - started
         checkpointer.wait()
         return blocking, time.perf_counter() - started
 
-    yield save
+    try:
+        yield save
+    finally:
+        dist.destroy_process_group()
 
 
 @contextmanager
 def torch_save(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
-    def save(state: TrainState) -> tuple[float, float]:
+    def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        with open(storage / f"step-{state.step:08d}.pt", "wb") as f:
-            torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, f)
+        with open(storage / f"step-{training.step:08d}.pt", "wb") as f:
+            torch.save({"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
         elapsed = time.perf_counter() - started
@@ -139,11 +185,11 @@ def dcp_async(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
     # A single-rank gloo group, as a real job would have; without one DCP falls back to a no-dist save.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
-    def save(state: TrainState) -> tuple[float, float]:
+    def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        model, optimizer = get_state_dict(state.model, state.optimizer)
+        model, optimizer = get_state_dict(training.model, training.optimizer)
         response = dcp.async_save(
-            {"model": model, "optimizer": optimizer}, checkpoint_id=storage / f"step-{state.step:08d}"
+            {"model": model, "optimizer": optimizer}, checkpoint_id=storage / f"step-{training.step:08d}"
         )
         blocking = time.perf_counter() - started
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
@@ -164,16 +210,16 @@ SAVERS: dict[str, Callable[[Path, Path], AbstractContextManager[SaveFn]]] = {
 
 
 def run_method(method: str, saves: int, storage: Path, tmpfs: Path) -> Measured:
-    state = build_state()
+    training = build_training()
     baseline = peak_rss_mib()
     timings: list[tuple[float, float]] = []
     with SAVERS[method](storage, tmpfs) as save:
         for index in range(saves):
             if index:
-                train_step(state)
-            timings.append(save(state))
+                train_step(training)
+            timings.append(save(training))
     return Measured(
-        params=sum(p.numel() for p in state.model.parameters()),
+        params=sum(p.numel() for p in training.model.parameters()),
         blocking_s=[blocking for blocking, _ in timings],
         total_s=[total for _, total in timings],
         peak_mib=peak_rss_mib() - baseline,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from stayalive.training.checkpointer import Checkpointer
+import stayalive
 from stayalive.training.train import Trainer, parse_args
 from stayalive.workers.devstack import free_port
 
@@ -39,24 +39,38 @@ DEVICE_MS = 20
 RESAMPLES = 4000
 
 Block = tuple[int, str, float]  # (cycle, variant, seconds)
-# rank, its trainer, the group's store (checkpoint shard records), cycles, scratch dir, results
-RankBody = Callable[[int, Trainer, dist.Store, int, str, "Queue[Block]"], None]
+# rank, its trainer (training/train.py's, model and data), cycles, scratch dir, results
+RankBody = Callable[[int, Trainer, int, str, "Queue[Block]"], None]
 
 
-def trainer_for(rank: int, port: int) -> tuple[Trainer, dist.Store]:
-    """This rank's trainer in a fresh gloo group of WORLD_SIZE ranks on this host, and its store."""
+def trainer_for(rank: int, port: int) -> Trainer:
+    """This rank's trainer in a fresh gloo group of WORLD_SIZE ranks on this host."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE="4"
     )
-    trainer = Trainer(parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)]))
+    trainer = Trainer.from_args(parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)]))
     store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
-    return trainer, store
+    return trainer
+
+
+def supervised(trainer: Trainer, directory: str, env: dict[str, str]) -> stayalive.Run:
+    """The trainer's `stayalive.Run`, as a rank under stayalive has it (`env`: the variant's settings
+    beyond a run that checkpoints only when asked)."""
+    os.environ.update(
+        {
+            "STAYALIVE_RUN_ID": "bench/00000000",
+            "STAYALIVE_TARGET_STEP": str(10**9),
+            "STAYALIVE_CHECKPOINT_DIR": directory,
+            "STAYALIVE_CHECKPOINT_EVERY_STEPS": str(10**9),
+        }
+        | env
+    )
+    return stayalive.Run(trainer.model, trainer.optimizer)
 
 
 def _rank(body: RankBody, rank: int, port: int, cycles: int, directory: str, results: Queue[Block]) -> None:
-    trainer, store = trainer_for(rank, port)
-    body(rank, trainer, store, cycles, directory, results)
+    body(rank, trainer_for(rank, port), cycles, directory, results)
     dist.destroy_process_group()
 
 
@@ -81,12 +95,8 @@ def measure(body: RankBody, cycles: int, blocks_per_cycle: int) -> list[Block]:
 
 
 @contextlib.contextmanager
-def timed_block(
-    rank: int, cycle: int, variant: str, checkpointer: Checkpointer, results: Queue[Block]
-) -> Iterator[None]:
-    """Time one block from a common start on every rank; rank 0 reports it. The last block's
-    checkpoint write ends first, so it does not overlap (and add noise to) this one."""
-    checkpointer.wait()
+def timed_block(rank: int, cycle: int, variant: str, results: Queue[Block]) -> Iterator[None]:
+    """Time one block from a common start on every rank; rank 0 reports it."""
     dist.barrier()
     started = time.perf_counter()
     yield

@@ -33,19 +33,20 @@ together) does not rule it out: its low end is within it too.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from itertools import islice
 from multiprocessing.queues import Queue
-from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+import stayalive
 from bench.interleaved import (
     DEVICE_MS,
     WORLD_SIZE,
@@ -58,16 +59,15 @@ from bench.interleaved import (
     overhead,
     ratio,
     report,
+    supervised,
     timed_block,
 )
 from stayalive.core.spec import SdcSpec
-from stayalive.core.telemetry import SdcCheck
-from stayalive.training.faults import FaultInjector
-from stayalive.training.sdc import SdcGuard, Verdict
-from stayalive.training.supervision import Supervision, SupervisionConfig
-from stayalive.training.train import Trainer, train
+from stayalive.training.loop_checks import LoopChecks
+from stayalive.training.train import Trainer
 
 BAR = 0.01
+T = TypeVar("T")
 BLOCK_STEPS = 100  # one self-check replay per block
 PLAN = ("off", "self", "cross", "self", "off")
 SPECS = {
@@ -77,59 +77,55 @@ SPECS = {
 }
 
 
-class TimedGuard(SdcGuard):
-    """The checks as the training loop runs them, adding up on this rank the seconds of the replays
-    (`checks`) and of the every-step invariants (`flags`, `judge`)."""
+def timed(checks: LoopChecks, seconds: defaultdict[str, float]) -> None:
+    """Add up in `seconds` what this rank spends in the checks: the recomputations (`replay`) and
+    the every-step invariants (`invariants`: the bucket sums and norms, and the screen)."""
+    parts = {"_recomputations": "replay", "entering": "invariants", "after_all_reduce": "invariants"}
+    for method, part in (parts | {"_screen": "invariants"}).items():
+        setattr(checks, method, _timing(getattr(checks, method), part, seconds))
 
-    seconds: defaultdict[str, float]  # "replay", "invariants": this block's, set afresh before each
 
-    # The arguments pass through untouched: these only time what SdcGuard does.
-    def checks(self, *args: Any, **kwargs: Any) -> list[SdcCheck]:
-        with self._timed("replay"):
-            return super().checks(*args, **kwargs)
-
-    def flags(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with self._timed("invariants"):
-            return super().flags(*args, **kwargs)
-
-    def judge(self, *args: Any, **kwargs: Any) -> Verdict:
-        with self._timed("invariants"):
-            return super().judge(*args, **kwargs)
-
-    @contextmanager
-    def _timed(self, part: str) -> Iterator[None]:
+def _timing(method: Callable[..., T], part: str, seconds: defaultdict[str, float]) -> Callable[..., T]:
+    def timed_call(*args: Any, **kwargs: Any) -> T:
         started = time.perf_counter()
         try:
-            yield
+            return method(*args, **kwargs)
         finally:
-            self.seconds[part] += time.perf_counter() - started
+            seconds[part] += time.perf_counter() - started
+
+    return timed_call
 
 
-def blocks(rank: int, trainer: Trainer, store: dist.Store, count: int, directory: str, results: Queue[Block]) -> None:
-    """Rank 0 reports every block's time and, after each `self` block, the seconds of the replay on
-    the rank that replayed (every other rank waits for it) and the ranks' mean seconds in the
-    invariants (they run side by side), as variants "self replay" and "self invariants"."""
-    config = SupervisionConfig(run_id="bench-sdc", generation=0, target_step=0, checkpoint_dir=Path(directory))
-    faults = FaultInjector([], rank, 0)
-    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, store, None, faults)
-    guards = {name: TimedGuard(spec, rank, WORLD_SIZE, 0, 0) for name, spec in SPECS.items()}
+def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
+    """Each variant trains its own copy of the model through a run of its own (every run's checks
+    hook its optimizer). Rank 0 reports every block's time and, after each `self` block, the seconds
+    of the replay on the rank that replayed (every other rank waits for it) and the ranks' mean
+    seconds in the invariants (they run side by side), as variants "self replay" and "self invariants"."""
+    seconds: dict[str, defaultdict[str, float]] = {}
+    runs: dict[str, tuple[Trainer, stayalive.Run, Iterator[int]]] = {}
+    for name, spec in SPECS.items():
+        variant = dataclasses.replace(trainer, model=copy.deepcopy(trainer.model))
+        variant.optimizer = torch.optim.AdamW(variant.model.parameters(), lr=trainer.optimizer.defaults["lr"])
+        run = supervised(variant, f"{directory}/{name}", {"STAYALIVE_SDC": spec.model_dump_json()})
+        seconds[name] = defaultdict(float)
+        if run.checks is not None:
+            timed(run.checks, seconds[name])
+        runs[name] = (variant, run, run.steps())
     for cycle in range(count):
         for name in PLAN:
-            guard = guards[name]
-            guard.seconds = defaultdict(float)
-            target = trainer.state.step + BLOCK_STEPS
-            supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, None)
-            with timed_block(rank, cycle, name, checkpointer, results):
-                train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
+            variant, run, steps = runs[name]
+            seconds[name].clear()
+            with timed_block(rank, cycle, name, results):
+                for step in islice(steps, BLOCK_STEPS):
+                    variant.step(run, step)
             if name == "self":
-                replay = torch.tensor([guard.seconds["replay"]])
-                invariants = torch.tensor([guard.seconds["invariants"] / WORLD_SIZE])
+                replay = torch.tensor([seconds[name]["replay"]])
+                invariants = torch.tensor([seconds[name]["invariants"] / WORLD_SIZE])
                 dist.all_reduce(replay, op=dist.ReduceOp.MAX)
                 dist.all_reduce(invariants)
                 if rank == 0:
                     results.put((cycle, "self replay", float(replay)))
                     results.put((cycle, "self invariants", float(invariants)))
-    checkpointer.wait()
 
 
 def summary(timed: list[Block]) -> dict[str, object]:

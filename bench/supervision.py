@@ -9,23 +9,23 @@ of 10 steps, in the order plain, supervised, supervised, plain, so that a drift 
 cancels:
 
     plain       forward, backward, gradient all-reduce, optimizer step: a torchrun script's step
-    supervised  training/train.py's loop, SDC checks off: the same step, plus the hooks
+    supervised  training/train.py's step through `stayalive.Run`, SDC checks off: the same step, plus
+                the hooks
 
-Both end each block with one checkpoint, written before the next block starts its clock. The bar
-(issue 5): the hooks cost under 1% of a step, shown met when the whole 95% interval is under it.
+Neither checkpoints (bench.checkpoint and bench.api measure that). The bar (issue 5): the hooks
+cost under 1% of a step, shown met when the whole 95% interval is under it.
 
     python -m bench.supervision [--quick]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import threading
 import time
+from itertools import islice
 from multiprocessing.queues import Queue
-from pathlib import Path
 from typing import cast
 
 import torch.distributed as dist
@@ -40,16 +40,13 @@ from bench.interleaved import (
     median_step_s,
     overhead,
     report,
+    supervised,
     timed_block,
 )
 from stayalive.core.access import Challenge
 from stayalive.core.spec import SdcSpec
-from stayalive.core.telemetry import Hello
-from stayalive.training.channel import AgentChannel
-from stayalive.training.faults import FaultInjector
-from stayalive.training.sdc import SdcGuard, flat_grads, set_grads
-from stayalive.training.supervision import Supervision, SupervisionConfig
-from stayalive.training.train import Trainer, train
+from stayalive.training.sdc import flat_grads, set_grads
+from stayalive.training.train import Trainer
 
 BAR = 0.01
 BLOCK_STEPS = 10  # the host's noise is white over about this many steps (bench/interleaved.py)
@@ -57,40 +54,35 @@ PLAN = ("plain", "supervised", "supervised", "plain")
 SINK = "STAYALIVE_BENCH_SINK"  # where ranks send their reports: host:port of the sink
 
 
-def plain_block(trainer: Trainer, rank: int, steps: int) -> None:
-    state, stream = trainer.state, trainer.stream
-    params = list(state.model.parameters())
-    for step in range(state.step + 1, state.step + steps + 1):
-        state.optimizer.zero_grad(set_to_none=True)
+def plain_block(trainer: Trainer, rank: int, first: int, steps: int) -> None:
+    """A torchrun script's step: forward, backward, one flat gradient all-reduce, the update."""
+    model, optimizer, stream = trainer.model, trainer.optimizer, trainer.stream
+    params = list(model.parameters())
+    for step in range(first, first + steps):
+        optimizer.zero_grad(set_to_none=True)
         inputs, targets = stream.batch(stream.positions(step, rank, WORLD_SIZE))
-        (state.model(inputs, targets).sum() / stream.global_batch).backward()
+        (model(inputs, targets).sum() / stream.global_batch).backward()
         time.sleep(DEVICE_MS / 1000)
         flat = flat_grads(params)
         dist.all_reduce(flat)
         set_grads(params, flat)
-        state.optimizer.step()
-        state.step = step
+        optimizer.step()
 
 
-def blocks(rank: int, trainer: Trainer, store: dist.Store, count: int, directory: str, results: Queue[Block]) -> None:
-    config = SupervisionConfig(run_id="bench-supervision", generation=0, target_step=0, checkpoint_dir=Path(directory))
-    faults = FaultInjector([], rank, 0)
-    checkpointer = trainer.checkpointer(config, rank, WORLD_SIZE, store, None, faults)
-    hello = Hello(run_id=config.run_id, rank=rank, generation=0, pid=os.getpid())
-    channel = AgentChannel(os.environ[SINK], hello, token="")  # the sink checks no proof
-    guard = SdcGuard(SdcSpec(enabled=False), rank, WORLD_SIZE, 0, 0)
+def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Queue[Block]) -> None:
+    """Both variants train the same model: the plain blocks outside the run (the SDC checks' hook
+    passes over an update the run did not open), the supervised ones through it."""
+    env = {"STAYALIVE_AGENT": os.environ[SINK], "STAYALIVE_SDC": SdcSpec(enabled=False).model_dump_json()}
+    run = supervised(trainer, directory, env)  # the sink checks no proof
+    steps = run.steps()  # a step's bookkeeping runs when the next is asked for
     for cycle in range(count):
         for name in PLAN:
-            target = trainer.state.step + BLOCK_STEPS
-            supervision = Supervision(dataclasses.replace(config, target_step=target), rank, WORLD_SIZE, channel)
-            with timed_block(rank, cycle, name, checkpointer, results):
+            with timed_block(rank, cycle, name, results):
                 if name == "plain":
-                    plain_block(trainer, rank, BLOCK_STEPS)
-                    checkpointer.save(trainer.state)
+                    plain_block(trainer, rank, 10**6 + cycle * BLOCK_STEPS, BLOCK_STEPS)
                 else:
-                    train(trainer.state, trainer.stream, supervision, checkpointer, faults, guard, DEVICE_MS / 1000)
-    checkpointer.wait()
-    channel.close()
+                    for step in islice(steps, BLOCK_STEPS):
+                        trainer.step(run, step)
 
 
 def serve_sink() -> str:

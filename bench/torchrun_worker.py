@@ -7,12 +7,12 @@ torchrun restarts every worker after a failure, with TORCHELASTIC_RESTART_COUNT 
 resumes only when STAYALIVE_RESUME_FROM names a checkpoint, so a restarted worker points it at the
 newest committed `step-*` directory (what a torchrun script does with its own checkpoints) and runs
 as generation n, so the crash the fault plan gives generation 0 does not fire again. Nothing else of
-the trainer changes; without STAYALIVE_AGENT it has no telemetry channel.
+the trainer changes; without STAYALIVE_AGENT its `stayalive.Run` has no telemetry channel.
 
 Each attempt's first completed step goes to the JSON-lines file BENCH_EVENTS (appends of one short
-line are atomic), with the trainer's own StepReport time, which is what stayalive's run monitor
-reads for its first step: {"event": "step", "restart": n, "rank": r, "step": s, "at": t}. The crash
-time is the trainer's own "injected crash" log line.
+line are atomic), with the StepReport time of the trainer's `stayalive.Run`, which is what stayalive's
+run monitor reads for its first step: {"event": "step", "restart": n, "rank": r, "step": s, "at": t}.
+The crash time is the trainer's own "injected crash" log line.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from stayalive.core.telemetry import StepReport
 from stayalive.training import train
-from stayalive.training.checkpoint import MANIFEST, parse_checkpoint_dirname
-from stayalive.training.supervision import Supervision
+from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname
+from stayalive.training.dcp_format import read_dcp_manifest
+from stayalive.training.run import Run
 
 
 def record(event: str, **fields: object) -> None:
@@ -37,25 +36,34 @@ def record(event: str, **fields: object) -> None:
         events.write(line)
 
 
+def committed(checkpoint: Path) -> bool:
+    """Whether `checkpoint` has its sealed DCP manifest, which the commit writes last (training/commit.py)."""
+    try:
+        read_dcp_manifest(checkpoint)
+    except CheckpointError:
+        return False
+    return True
+
+
 def newest_checkpoint(directory: Path) -> Path | None:
-    """The newest committed checkpoint: a `step-*` directory with its manifest (written last)."""
-    committed = [p for p in directory.glob("step-*") if (p / MANIFEST).is_file()]
-    return max(committed, key=lambda p: parse_checkpoint_dirname(p.name), default=None)
+    """The newest committed checkpoint: a `step-*` directory with its manifest."""
+    checkpoints = [p for p in directory.glob("step-*") if committed(p)]
+    return max(checkpoints, key=lambda p: parse_checkpoint_dirname(p.name), default=None)
 
 
 def instrument(restart: int) -> None:
-    """Record this attempt's first step through the trainer's own reporting hook, without changing it."""
-    report = Supervision.report
+    """Record this attempt's first step where the trainer's `Run` reports it, without changing what it sends."""
+    report = Run._report
     first = True
 
-    def reporting(self: Supervision, message: BaseModel, *args: Any, **kwargs: Any) -> None:
+    def reporting(self: Run, message: Any) -> None:
         nonlocal first
         if first and isinstance(message, StepReport):
             first = False
             record("step", restart=restart, rank=message.rank, step=message.step, at=message.at)
-        report(self, message, *args, **kwargs)
+        report(self, message)
 
-    Supervision.report = reporting  # type: ignore[method-assign]
+    Run._report = reporting  # type: ignore[method-assign]
 
 
 def main() -> None:

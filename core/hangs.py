@@ -39,7 +39,6 @@ class Site(IntEnum):
     SDC_CHECK = 2  # the SDC checks' own all-reduces (calibration, cross-rank comparison)
     AGREEMENT = 3  # ranks agreeing on a command's payload (a rebalance's speeds, a checkpoint interval)
     RESTORE = 4  # loading a checkpoint: where each shard comes from, then every shard
-    HANDOVER = 5  # newcomers taking rank 0's live state
     CONTROL = 6  # the public training API's per-step vote on commands (stayalive.Run)
 
 
@@ -48,7 +47,6 @@ SITE_NAMES: dict[int, str] = {
     Site.SDC_CHECK: "an SDC check",
     Site.AGREEMENT: "a command's agreement",
     Site.RESTORE: "the checkpoint restore",
-    Site.HANDOVER: "the state hand-over",
     Site.CONTROL: "the step's command vote",
 }
 

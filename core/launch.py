@@ -49,6 +49,7 @@ class Launch(BaseModel):
     # After a hold the survivors keep their processes: on each node the live ranks of the last
     # generation take this generation's ranks in order; only the ranks nobody holds start fresh.
     rejoin: bool = False
+    newcomers: bool = False  # with `rejoin`: ranks start fresh beside the survivors (a spare took a node's place)
     # The run's simulated hardware (fault plan: `broken_node`, GPU telemetry faults); each agent keeps
     # what concerns its node for the rest of its life, as real hardware would stay broken.
     hardware: list[HardwareFault] = []
@@ -67,13 +68,9 @@ class Launch(BaseModel):
     def origin(self) -> str:
         """Where the generation's state comes from, for a person reading the history."""
         if self.rejoin:
-            return "survivors rejoin in place" + (", newcomers take rank 0's state" if self.state_from_rank0 else "")
+            return "survivors rejoin in place" + (", newcomers load the held checkpoint" if self.newcomers else "")
         resume = self.env.get("STAYALIVE_RESUME_FROM")
         return f"from checkpoint {resume.rstrip('/').rsplit('/', 1)[-1]}" if resume else "from scratch"
-
-    @property
-    def state_from_rank0(self) -> bool:
-        return self.env.get("STAYALIVE_STATE_FROM_RANK0") == "1"
 
 
 class NodeLaunch(BaseModel):
@@ -127,7 +124,7 @@ class Launched(BaseModel):
 
 class Membership(BaseModel):
     """The next generation's nodes after a hold: the survivors keep their processes (and memory),
-    newcomers start fresh and take their state from rank 0."""
+    newcomers start fresh and load the checkpoint of the held step."""
 
     nodes: list[str]
     newcomers: list[str] = []

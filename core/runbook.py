@@ -404,7 +404,7 @@ class RunBook:
         status = self.status
         status.nodes.append(spare)
         status.spares_used.append(spare)
-        if status.membership is not None:  # survivors are holding: the newcomer takes rank 0's state
+        if status.membership is not None:  # survivors are holding: the newcomer loads the held checkpoint
             status.membership.nodes = list(status.nodes)
             status.membership.newcomers.append(spare)
 

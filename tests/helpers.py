@@ -23,7 +23,7 @@ from stayalive.core.fleet import FleetNode
 from stayalive.core.run import CheckpointRecord, RunState, RunStatus
 from stayalive.core.spec import RunSpec
 from stayalive.core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
-from stayalive.training.checkpoint import load_checkpoint
+from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, load_dcp_tensors, read_dcp_manifest
 from stayalive.workers.secret import SECRET_ENV, load_secret
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
@@ -337,10 +337,16 @@ REFERENCE_STEPS = 60  # the length of the reference run (tests/e2e/conftest.py) 
 
 
 def final_state(checkpoints: list[CheckpointRecord], step: int = REFERENCE_STEPS) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the run's validated checkpoint of `step`."""
+    """Model and optimizer tensors of the run's validated checkpoint of `step`, whole."""
     final = next(c for c in checkpoints if c.step == step and c.validated)
-    _, tensors = load_checkpoint(Path(final.path))
-    return {name: t for name, t in tensors.items() if name.startswith(("model/", "optim/"))}
+    return checkpoint_state(Path(final.path), step)
+
+
+def checkpoint_state(directory: Path, step: int) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the checkpoint of `step` at `directory` (DCP's files), whole."""
+    assert read_dcp_manifest(directory).step == step
+    tensors = load_dcp_tensors(directory, load_dcp_metadata((directory / DCP_METADATA).read_bytes()))
+    return {name: t for name, t in tensors.items() if name.startswith(("model.", "optim."))}
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

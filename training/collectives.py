@@ -145,12 +145,6 @@ def _stalled_or(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | No
     return stall.group, stall.counted
 
 
-def broadcast(tensor: torch.Tensor, src: int, site: Site) -> None:
-    _entered(site)
-    dist.broadcast(tensor, src=src)
-    _completed()
-
-
 def _entered(site: Site) -> None:
     if _words is not None:
         _words[ENTERED] += 1

@@ -98,7 +98,7 @@ class Committer:
             # (the crash that follows in a test, on a loaded host) must not leave it whole.
             self.faults.checkpoint_committed(step, final)
         fsync_dir(self.directory)
-        if self.tier is not None:  # a restore anywhere reads it from memory (training/restore.py)
+        if self.tier is not None:  # a restore anywhere reads it from memory (training/state_restore.py)
             self._keep_manifest(name, manifest)
         else:
             shutil.rmtree(self.staging(name), ignore_errors=True)

@@ -39,6 +39,11 @@ FORMAT: Literal["stayalive-dcp/1"] = "stayalive-dcp/1"
 DCP_METADATA = ".metadata"
 
 
+def dcp_file(rank: int) -> str:
+    """The file DCP's FileSystemWriter writes `rank`'s share into (one file: one writer thread)."""
+    return f"__{rank}_0.distcp"
+
+
 class FileRecord(BaseModel):
     file: str
     rank: int  # the rank that wrote it

@@ -36,7 +36,8 @@ from stayalive.core.faults import (
     WrongRank,
 )
 from stayalive.training import collectives
-from stayalive.training.checkpoint import MANIFEST, shard_filename
+from stayalive.training.checkpoint import MANIFEST
+from stayalive.training.dcp_format import dcp_file
 
 log = structlog.get_logger()
 
@@ -153,7 +154,7 @@ class FaultInjector:
 
 def _take_away(directory: Path, seconds: float) -> None:
     """The run's checkpoint directory vanishes for `seconds`, as a dropped mount does, then comes back
-    whole. No writer recreates it meanwhile (training/checkpointer.py), so every write and read under
+    whole. No writer recreates it meanwhile (training/state_checkpointer.py), so every write and read under
     it fails with ENOENT. A detached process of its own brings it back, whatever becomes of this rank
     (a crash, or the restart that stops it)."""
     away = directory.with_name(f".{directory.name}.away")
@@ -189,7 +190,7 @@ def _flip_bit(tensors: list[torch.Tensor], step: int, bit: int, what: str) -> No
 
 
 def _damage(directory: Path, fault: CorruptCheckpoint) -> None:
-    shard = directory / shard_filename(fault.shard)
+    shard = directory / dcp_file(fault.shard)
     manifest = directory / MANIFEST
     if fault.damage == "truncate_shard":
         os.truncate(shard, shard.stat().st_size // 2)

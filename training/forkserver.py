@@ -55,7 +55,13 @@ from pydantic import BaseModel
 # of 6, cold processes as well as forked ones, and never without it (torch 2.13, gloo:
 # ~ProcessGroupGloo joins a worker that waits for the GIL). The trainer leaves with os._exit.
 PROFILES = {
-    "trainer": ("torch", "torch.distributed", "torch._dynamo", "safetensors.torch", "stayalive.training.train"),
+    "trainer": (
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",
+        "torch.distributed.checkpoint",
+        "stayalive.training.train",
+    ),
     "script": ("torch", "torch.distributed"),
 }
 TRAINER_MODULE = "stayalive.training.train"

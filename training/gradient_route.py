@@ -60,21 +60,21 @@ class GradientRoute:
         params = [p for p in params if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         self._leaving(lambda: params, lambda: grads)
-        flat = flat_grads(params)
-        if self.checks is not None:
-            self.checks.entering(flat)
-        if average:
-            flat.div_(self.supervision.world_size)
-        rides = not self._vote_sent and flat.dtype in EXACT_DTYPES
+        dtype = grads[0].dtype if grads else torch.float32
+        rides = not self._vote_sent and dtype in EXACT_DTYPES
         votes = self.supervision.votes() if rides else torch.zeros(0)
         self._vote_sent = self._vote_sent or rides
-        flat = torch.cat([flat, votes.to(flat.dtype)])
+        flat = flat_grads(params, votes.to(dtype))  # one copy, the vote at its end
+        local, summed = flat.split([flat.numel() - votes.numel(), votes.numel()])
+        if self.checks is not None:
+            self.checks.entering(local)
+        if average:
+            local.div_(self.supervision.world_size)
         collectives.all_reduce(flat, Site.GRADIENTS)
-        reduced, summed = flat.split([flat.numel() - votes.numel(), votes.numel()])
         if rides:
             self._arrived(summed.to(votes.dtype))
-        self._reduced(reduced)
-        set_grads(params, reduced)
+        self._reduced(local)
+        set_grads(params, local)
 
     def ride(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over every rank in one small all-reduce on the API's gloo group, with the

@@ -39,8 +39,8 @@ log = structlog.get_logger()
 KEEP = 2
 _RUN = re.compile(r"^[a-z0-9][a-z0-9._-]*/[0-9a-f]{8}$")
 _CHECKPOINT = re.compile(r"^step-\d{8}-g\d+$")
-# The built-in format's shards, DCP's files (training/dcp_format.py) and the manifest of either.
-_FILE = re.compile(r"^(shard-\d{5}\.safetensors|__\d+_\d+\.distcp|\.metadata|manifest\.json)$")
+# DCP's files (training/dcp_format.py) and the manifest.
+_FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|manifest\.json)$")
 _CHUNK = 1 << 22
 HUBS = "stayalive/hubs"  # in the generation's store: `stayalive/hubs/{node}` → that node's agent
 

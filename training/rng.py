@@ -3,6 +3,7 @@ torch's (CPU and each CUDA device), numpy's global generator and Python's `rando
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -30,3 +31,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
+
+
+def reseed(step: int, rank: int) -> None:
+    """A fresh, reproducible RNG stream for a rank that has no saved one (a newcomer, a wider world)."""
+    seed = int.from_bytes(hashlib.blake2b(f"{step}:{rank}".encode(), digest_size=8).digest(), "little")
+    random.seed(seed)
+    torch.manual_seed(seed)

@@ -68,8 +68,7 @@ from stayalive.training.faults import FaultInjector
 from stayalive.training.gradient_route import GradientRoute, plain_all_reduce
 from stayalive.training.logs import configure_logging
 from stayalive.training.loop_checks import LoopChecks
-from stayalive.training.rng import rng_state, set_rng_state
-from stayalive.training.state import reseed
+from stayalive.training.rng import reseed, rng_state, set_rng_state
 from stayalive.training.state_checkpointer import StateCheckpointer
 from stayalive.training.state_restore import agreed_checkpoint, restore_state
 from stayalive.training.supervision import Supervision, SupervisionConfig
@@ -130,8 +129,6 @@ class Run:
             self.config: SupervisionConfig | None = None
             self.target_step = target_step
             return
-        self.config = SupervisionConfig.from_env()
-        self.target_step = self.config.target_step
         if not dist.is_initialized():
             dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
         rank_process.watch_from_outside()
@@ -146,6 +143,7 @@ class Run:
         channel, the checks, the checkpoints, and the state to resume from (`carried`: this process
         held in the last generation and keeps its own RNG streams and data position)."""
         self.config = config = SupervisionConfig.from_env()
+        self.target_step = config.target_step
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.speeds = None  # a rebalance is for the generation that asked for it
         configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)

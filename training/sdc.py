@@ -1,4 +1,4 @@
-"""Silent data corruption, caught inside the step (seed 003 §7 failure 3, R3, R6; DESIGN §7).
+"""Silent data corruption, caught inside the step (DESIGN §7).
 
 Three layers, cheapest first:
 - invariants every step: a non-finite loss or gradient, or a gradient norm above `spike` × the
@@ -14,9 +14,11 @@ Three layers, cheapest first:
   check across data-parallel replicas does); the rank that differs from the others kept or received
   wrong numbers, at any step since the last check.
 
-Results travel in three extra slots of the gradient all-reduce (no extra collective, no extra
-sync), so every rank knows at the same step whether to skip the update, whether a check passed (the
-verification watermark every checkpoint records), and who failed one.
+training/loop_checks.py runs them in any loop, before its update. The invariants cost no collective
+(every rank screens the same all-reduced gradient, so all skip the same update); a recomputation
+check's verdict, and the rank it blames, travel in the replica check's gather. So every rank knows at
+the same step whether a check passed (the verification watermark every checkpoint records) and who
+failed one.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-goo
 NORM_HISTORY = 200  # gradient norms kept for the running p99
 NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
 P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free
-FLAGS = 3  # the slots `flags` adds to the gradient all-reduce
 FINGERPRINT_CHUNK = 1 << 20  # words fingerprinted at a time: the int64 copy and the weights stay small (8 MB)
 FINGERPRINT_MODULUS = (1 << 61) - 1  # a Mersenne prime: the fold stays an int64 and loses no bit's effect
 
@@ -89,7 +90,7 @@ def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
 
 @dataclass
 class Verdict:
-    """What the reduced flags say about this step: the same on every rank."""
+    """What the invariants say about this step's all-reduced gradient: the same on every rank."""
 
     apply: bool = True  # apply the update
     skipped: str = ""  # why not, when no check failed
@@ -109,20 +110,6 @@ class SdcGuard:
         self.norms: deque[float] = deque(maxlen=NORM_HISTORY)
         self.p99 = math.inf  # of `norms`, refreshed every P99_EVERY norms
         self.counted = 0  # norms appended
-
-    def checks(
-        self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]
-    ) -> list[SdcCheck]:
-        """The checks due at `step`, after this rank's backward. `compute_on(r)` recomputes rank r's
-        micro-batch of this step into the gradients (with this rank's kernels, without injected faults)."""
-        if not self.spec.enabled:
-            return []
-        due = []
-        if self.cross_check_due(step):
-            due.append(self.cross_check(step, params, compute_on))
-        if self.self_check_due(step):
-            due.append(self.self_check(step, params, lambda: compute_on(self.rank)))
-        return due
 
     # -- the bitwise self-check ----------------------------------------------------------------------
 
@@ -280,50 +267,6 @@ class SdcGuard:
             last_verified=self.last_verified,
             detail=f"rank {culprit}'s replay differs",
         )
-
-    # -- the flags that ride the gradient all-reduce -------------------------------------------------
-
-    def flags(self, loss: torch.Tensor, checks: list[SdcCheck]) -> torch.Tensor:
-        """[this rank's loss, 1 + the rank a self-check blames, a check passed]. Summed, the first slot
-        is the global loss: non-finite if any rank's is. Tensor ops only: no sync before the all-reduce."""
-        if not self.spec.enabled:
-            return torch.zeros(FLAGS)
-        failed = next((c for c in checks if c.method == "self" and not c.passed), None)
-        passed = any(c.passed for c in checks if c.method == "self")
-        blamed = 0.0 if failed is None or failed.culprit is None else 1.0 + failed.culprit
-        return torch.cat([loss.detach().reshape(1).float(), torch.tensor([blamed, float(passed)])])
-
-    def judge(
-        self,
-        step: int,
-        loss: torch.Tensor,
-        params: list[torch.nn.Parameter],
-        flags: torch.Tensor,
-        grads: torch.Tensor,
-        checks: list[SdcCheck],
-    ) -> Verdict:
-        """After the all-reduce, before the reduced gradient is set (`loss`: this rank's, `params`: still
-        holding this rank's own gradients, `flags`: everyone's flags summed, `grads`: the reduced
-        gradient): the same verdict on every rank. Each report is sent by one rank: the
-        checker (self), rank 0 (cross, grad spike), the rank whose numbers went non-finite."""
-        if not self.spec.enabled:
-            return Verdict()
-        total_loss, blamed, passed = flags.tolist()
-        reports: list[Anomaly | SdcCheck] = [c for c in checks if c.method == "self" or self.rank == 0]
-        failed = next((c for c in checks if not c.passed), None)
-        if failed is None and blamed > 0:  # another rank's replay differed: stop with it
-            failed = self.blamed(step, int(blamed) - 1)
-        if failed is not None:
-            return Verdict(apply=False, failed=failed, reports=reports)
-        if passed > 0 or checks:
-            self.last_verified = step
-        # One pass over what the all-reduce returned: a NaN or inf on any rank reaches the summed
-        # gradient and loss, so only a step that has one looks at this rank's own numbers.
-        norm = float(grads.norm()) if math.isfinite(total_loss) else math.nan
-        mine = [loss, *(p.grad for p in params if p.grad is not None)]
-        verdict = self.screen(step, norm, lambda: not all(bool(torch.isfinite(t).all()) for t in mine))
-        verdict.reports[:0] = reports
-        return verdict
 
     def screen(self, step: int, norm: float, went_nonfinite: Callable[[], bool | None]) -> Verdict:
         """The invariants on the all-reduced gradient's norm, the same on every rank: non-finite, or a

@@ -2,13 +2,13 @@
 
 step N ─ stage: copy the state into CPU buffers kept from the last save    (blocking: Young/Daly's `C`)
          └ writer thread: dcp.save → this node's host-memory tier           (DCP's files, its plan)
-                          each file → the replica's node                    (seed R1)
+                          each file → the replica's node                    (a node lost keeps a copy)
            └ storage thread (training/flusher.py), retried while storage is away:
                           each file → storage, fsynced, digested, then the commit (training/commit.py)
 
-The same pipeline as the built-in trainer's (training/checkpointer.py), with DCP in the place of the
-flat safetensors shards: DCP brings FSDP2's DTensors and loading at another world size; the manifest
-(training/dcp_format.py) brings digests, the atomic commit and the memory tier's addresses.
+DCP brings FSDP2's DTensors and loading at another world size; the manifest (training/dcp_format.py)
+brings digests, the atomic commit and the memory tier's addresses. Every loop under stayalive, the
+built-in trainer's too, checkpoints this way (training/run.py).
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ that could run code.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -23,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from stayalive.core.hangs import Site
 from stayalive.training import collectives, memory
-from stayalive.training.checkpoint import CheckpointError, parse_sealed, write_atomically
+from stayalive.training.checkpoint import MANIFEST, CheckpointError, parse_sealed, write_atomically
 from stayalive.training.dcp_format import (
     DcpManifest,
     SafePlanner,
@@ -32,9 +33,60 @@ from stayalive.training.dcp_format import (
     verify_files,
 )
 from stayalive.training.memory import MemoryTier
-from stayalive.training.restore import Source, from_memory, manifest_bytes
 
 log = structlog.get_logger()
+
+Source = Literal["memory", "storage"]
+
+
+def _local(tier: MemoryTier, run_id: str, name: str, file: str) -> bytes | None:
+    path = memory.memory_path(tier.directory, run_id, name, file)
+    return path.read_bytes() if path.is_file() else None
+
+
+def _verified(data: bytes | None, sha256: str) -> bytes | None:
+    return data if data is not None and hashlib.sha256(data).hexdigest() == sha256 else None
+
+
+def from_memory(
+    tier: MemoryTier | None, run_id: str, name: str, file: str, sha256: str, hubs: list[str]
+) -> bytes | None:
+    """A checkpoint file from this node's tier, else from the agents that hold a copy (`hubs`); a
+    copy that does not match `sha256` counts as none."""
+    if tier is None:
+        return None
+    if (data := _verified(_local(tier, run_id, name, file), sha256)) is not None:
+        return data
+    for hub in hubs:
+        if hub == tier.hub:
+            continue  # that agent's tier is the directory just read
+        if (data := _verified(memory.fetch(hub, tier.token, run_id, name, file), sha256)) is not None:
+            return data
+    return None
+
+
+def manifest_bytes(
+    directory: Path, tier: MemoryTier | None, run_id: str, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> tuple[bytes, str] | None:
+    """The committed manifest, from the lowest rank whose node keeps it in memory, to every rank of
+    `group` (the default group, or one of every rank), and where it came from; None when no node
+    has it (read it from storage)."""
+    data = _local(tier, run_id, directory.name, MANIFEST) if tier is not None else None
+    holder = torch.tensor([rank if data is not None else world_size])
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=group)
+    source = int(holder)
+    if source == world_size:
+        return None
+    sent = data if rank == source else None
+    size = torch.tensor([len(sent) if sent is not None else 0])
+    dist.broadcast(size, src=source, group=group)
+    buffer = (
+        torch.frombuffer(bytearray(sent), dtype=torch.uint8)
+        if sent is not None
+        else torch.empty(int(size), dtype=torch.uint8)
+    )
+    dist.broadcast(buffer, src=source, group=group)
+    return buffer.numpy().tobytes(), f"memory copy of {directory.name}/{MANIFEST}"
 
 
 @dataclass(frozen=True)
@@ -89,7 +141,11 @@ def restore_state(
         gathered = directory
     assert gathered is not None
     state = state_for(manifest)
-    dcp.load(state, storage_reader=SafeReader(gathered), planner=SafePlanner(), process_group=group)
+    try:
+        dcp.load(state, storage_reader=SafeReader(gathered), planner=SafePlanner(), process_group=group)
+    except dcp.CheckpointException as exc:  # a BaseException, raised on every rank: what SafeReader refused, say
+        reasons = "; ".join(str(error) for error, _ in exc.failures.values())
+        raise CheckpointError(f"{directory.name} does not load ({reasons}): use another checkpoint") from None
     seconds = time.perf_counter() - started
     log.info("restored", checkpoint=directory.name, source=source, seconds=round(seconds, 3))
     return RestoredState(manifest=manifest, state=state, source=source, seconds=seconds)

@@ -42,7 +42,6 @@ class SupervisionConfig:
     every_steps: int | None = None
     every_seconds: float | None = None
     resume_from: Path | None = None
-    state_from_rank0: bool = False  # this generation has newcomers: rank 0 hands everyone the live state
     faults: list[Fault] = field(default_factory=list)
     sdc: SdcSpec = field(default_factory=SdcSpec)
     memory_dir: Path | None = None
@@ -68,7 +67,6 @@ class SupervisionConfig:
             if "STAYALIVE_CHECKPOINT_EVERY_SECONDS" in env
             else None,
             resume_from=Path(env["STAYALIVE_RESUME_FROM"]) if env.get("STAYALIVE_RESUME_FROM") else None,
-            state_from_rank0=env.get("STAYALIVE_STATE_FROM_RANK0") == "1",
             faults=_faults.validate_json(env.get("STAYALIVE_FAULTS", "[]")),
             sdc=SdcSpec.model_validate_json(env.get("STAYALIVE_SDC", "{}")),
             memory_dir=Path(env["STAYALIVE_MEMORY_DIR"]) if env.get("STAYALIVE_MEMORY_DIR") else None,

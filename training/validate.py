@@ -1,17 +1,14 @@
 """Test-load checkpoints in a process of their own: `python -m stayalive.training.validate` reads one checkpoint
 directory per line on stdin and answers one JSON verdict per line on stdout.
 
-A separate process, because the load must not borrow anything from the process that wrote it. The
-built-in trainer's checkpoints rebuild the model from the manifest's config, and every tensor must
-fit it exactly. The public API's (DCP, training/dcp_format.py) need no model: every file matches its
-digest, DCP's metadata lists what the manifest recorded, and every tensor reads back with its
-recorded shape and dtype. A long-lived process, because importing torch for every checkpoint would
-cost more than loading it.
+A separate process, because the load must not borrow anything from the process that wrote it. A
+checkpoint (DCP's files and stayalive's manifest, training/dcp_format.py) needs no model to be
+judged: the run's own check (CheckpointSpec.validation) can load it into one. A long-lived process,
+because importing torch for every checkpoint would cost more than loading it.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -20,18 +17,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 
-from stayalive.training.checkpoint import MANIFEST, CheckpointError, load_checkpoint
+from stayalive.training.checkpoint import CheckpointError
 from stayalive.training.dcp_format import (
     DCP_METADATA,
-    FORMAT,
     load_dcp_metadata,
     load_dcp_tensors,
     read_dcp_manifest,
     tensor_entries,
     verify_files,
 )
-from stayalive.training.gpt import GPT, GPTConfig
-from stayalive.training.state import TrainState
 
 
 class TestLoad(BaseModel):
@@ -42,39 +36,20 @@ class TestLoad(BaseModel):
 
 
 def test_load(directory: Path) -> TestLoad:
+    """Every file matches its digest, DCP's metadata lists what the manifest recorded, and every
+    tensor reads back, finite, with its recorded shape and dtype."""
     try:
-        if _format(directory) == FORMAT:
-            return _test_load_dcp(directory)
-        manifest, tensors = load_checkpoint(directory)
-        model = GPT(GPTConfig(**manifest.model))
-        state = TrainState(model, torch.optim.AdamW(model.parameters()))
-        state.restore(manifest, tensors)
+        manifest = read_dcp_manifest(directory)
+        if problems := verify_files(directory, manifest):
+            return TestLoad(ok=False, problems=problems, step=manifest.step)
+        metadata = load_dcp_metadata((directory / DCP_METADATA).read_bytes())
+        if (recorded := tensor_entries(metadata)) != manifest.tensors:
+            differing = sorted(set(manifest.tensors) ^ set(recorded))[:5]
+            problem = f"DCP metadata disagrees with the manifest on {differing}"
+            return TestLoad(ok=False, problems=[problem], step=manifest.step)
+        tensors = load_dcp_tensors(directory, metadata)
     except (CheckpointError, dcp.CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
         return TestLoad(ok=False, problems=[str(exc)])
-    nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    if nonfinite:
-        return TestLoad(ok=False, problems=[f"non-finite values in {', '.join(nonfinite[:5])}"], step=manifest.step)
-    norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in model.parameters()))
-    return TestLoad(ok=True, param_norm=norm, step=manifest.step)
-
-
-def _format(directory: Path) -> str | None:
-    try:
-        return str(json.loads((directory / MANIFEST).read_bytes()).get("format"))
-    except (OSError, ValueError, AttributeError):
-        return None  # the built-in format's reader says what is wrong with it
-
-
-def _test_load_dcp(directory: Path) -> TestLoad:
-    manifest = read_dcp_manifest(directory)
-    if problems := verify_files(directory, manifest):
-        return TestLoad(ok=False, problems=problems, step=manifest.step)
-    metadata = load_dcp_metadata((directory / DCP_METADATA).read_bytes())
-    if (recorded := tensor_entries(metadata)) != manifest.tensors:
-        differing = sorted(set(manifest.tensors) ^ set(recorded))[:5]
-        problem = f"DCP metadata disagrees with the manifest on {differing}"
-        return TestLoad(ok=False, problems=[problem], step=manifest.step)
-    tensors = load_dcp_tensors(directory, metadata)
     nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if nonfinite:
         return TestLoad(ok=False, problems=[f"non-finite values in {', '.join(nonfinite[:5])}"], step=manifest.step)

@@ -122,8 +122,6 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
         resume.path if resume and membership is None else None,
         checkpoint_seconds,
     )
-    if membership is not None and membership.newcomers:
-        env["STAYALIVE_STATE_FROM_RANK0"] = "1"
     return Launch(
         run_id=status.run_id,
         generation=status.generation,
@@ -134,6 +132,7 @@ def launch_request(book: RunBook, checkpoint_seconds: float | None) -> Launch:
         workdir=spec.workdir,
         env=env,
         rejoin=membership is not None,
+        newcomers=membership is not None and bool(membership.newcomers),
         hardware=[f for f in spec.faults if isinstance(f, HARDWARE)],
         answer_within=spec.health.node_heartbeat_timeout,
         checkpoint_dir=status.checkpoint_dir if spec.hooks else None,

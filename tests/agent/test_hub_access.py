@@ -31,7 +31,7 @@ RUN = "tiny/0000abcd"
 OTHER_RUN = "other/0000ffff"
 TOKEN = run_token(SECRET, RUN)
 CHECKPOINT = "step-00000010-g0"
-SHARD = "shard-00000.safetensors"
+SHARD = "__0_0.distcp"  # rank 0's DCP file
 
 
 @pytest.fixture

@@ -11,12 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from stayalive.core.run import CheckpointRecord
 from stayalive.core.spec import RunSpec
 from stayalive.core.telemetry import StepReport
-from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, load_dcp_tensors, read_dcp_manifest
 from tests.helpers import ROOT
 
 EXAMPLES = ROOT / "examples"
@@ -86,15 +83,6 @@ class Example:
 NANOGPT = Example("nanogpt", nanogpt_workdir, nanogpt_argv, "the gradient all-reduce", steps=40)
 # FSDP2's own collectives are not counted; the API's vote after each step is, and a hang stalls it.
 FSDP2 = Example("fsdp2", fsdp2_workdir, lambda _: ["python", "example.py"], "the step's command vote", steps=25)
-
-
-def final_weights(checkpoints: list[CheckpointRecord], step: int) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the run's validated DCP checkpoint of `step`, whole."""
-    final = next(c for c in checkpoints if c.step == step and c.validated)
-    directory = Path(final.path)
-    assert read_dcp_manifest(directory).step == step
-    tensors = load_dcp_tensors(directory, load_dcp_metadata((directory / DCP_METADATA).read_bytes()))
-    return {k: t for k, t in tensors.items() if k.startswith(("model.", "optim."))}
 
 
 def losses_as_they_stand(reports: list[StepReport]) -> dict[tuple[int, int], float | None]:

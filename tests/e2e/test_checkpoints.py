@@ -12,6 +12,7 @@ import torch
 from temporalio.client import Client
 
 from stayalive.core.run import Cause, RunState
+from stayalive.training.dcp_format import dcp_file
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import REFERENCE_STEPS as TARGET
@@ -95,14 +96,14 @@ async def test_replacement_restores_from_the_peer_copy_when_storage_is_gone(
     # Before the replacement starts: every checkpoint on storage becomes unreadable, and the dead
     # rank's own host-memory copy goes too, so its shard can only come from its buddy's node (n1).
     run_dir = checkpoint_root / status.run_id
-    for shard in run_dir.glob("step-*/shard-*.safetensors"):
+    for shard in run_dir.glob("step-*/*.distcp"):
         os.truncate(shard, 0)
     local = stack.memory_dir / "n2" / status.run_id
-    lost = list(local.glob("step-*/shard-00003.safetensors"))
+    lost = list(local.glob(f"step-*/{dcp_file(3)}"))
     assert lost, "rank 3's node held its own shard in memory"
     for shard in lost:
         shard.unlink()
-    assert list((stack.memory_dir / "n1" / status.run_id).glob("step-*/shard-00003.safetensors"))
+    assert list((stack.memory_dir / "n1" / status.run_id).glob(f"step-*/{dcp_file(3)}"))
 
     result = await handle.result()
     assert result.state == RunState.COMPLETED

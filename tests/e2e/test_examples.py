@@ -15,8 +15,16 @@ from temporalio.client import Client
 from stayalive.core.run import Cause, RunState
 from stayalive.training.dcp_format import read_dcp_manifest
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
-from tests.e2e.examples import FSDP2, NANOGPT, Example, final_weights, losses_as_they_stand
-from tests.helpers import RecordCollector, assert_bitwise_equal, rank_pids, start, step_reports, wait_until
+from tests.e2e.examples import FSDP2, NANOGPT, Example, losses_as_they_stand
+from tests.helpers import (
+    RecordCollector,
+    assert_bitwise_equal,
+    final_state,
+    rank_pids,
+    start,
+    step_reports,
+    wait_until,
+)
 
 pytestmark = pytest.mark.parametrize("example", [NANOGPT, FSDP2], ids=lambda e: e.name)
 
@@ -51,7 +59,7 @@ async def test_a_killed_rank_a_forced_checkpoint_and_a_rollback_to_it_end_bitwis
     assert (crash.cause, crash.rank, crash.restored_from) == (Cause.CRASH, 3, "memory")
     assert (crash.resumed_from, rollback.cause, rollback.resumed_from) == (forced.step, Cause.ROLLBACK, forced.step)
     losses = losses_as_they_stand(step_reports(collector.stop()))
-    weights = final_weights(await handle.query(RunWorkflow.checkpoints), target)
+    weights = final_state(await handle.query(RunWorkflow.checkpoints), target)
 
     spec = example.spec(example.workdir(tmp_path / "reference-run"), tmp_path / "reference", target)
     reference = await start(client, spec, f"{example.name}-ref")
@@ -60,7 +68,7 @@ async def test_a_killed_rank_a_forced_checkpoint_and_a_rollback_to_it_end_bitwis
     reference_losses = losses_as_they_stand(step_reports(reference_collector.stop()))
     assert len(reference_losses) == 4 * target
     assert losses == reference_losses, "a step trained on other batches than the uninterrupted run's"
-    assert_bitwise_equal(weights, final_weights(await reference.query(RunWorkflow.checkpoints), target))
+    assert_bitwise_equal(weights, final_state(await reference.query(RunWorkflow.checkpoints), target))
 
 
 async def test_a_hang_in_one_ranks_collective_is_blamed_on_that_rank(

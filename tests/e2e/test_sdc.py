@@ -10,10 +10,17 @@ import torch
 from temporalio.client import Client
 
 from stayalive.core.run import Cause, RunState
-from stayalive.training.checkpoint import load_checkpoint
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import REFERENCE_STEPS, TINY_ENTRYPOINT, assert_bitwise_equal, final_state, start, tiny_spec
+from tests.helpers import (
+    REFERENCE_STEPS,
+    TINY_ENTRYPOINT,
+    assert_bitwise_equal,
+    checkpoint_state,
+    final_state,
+    start,
+    tiny_spec,
+)
 
 
 async def test_a_transient_bit_flip_rolls_back_to_the_verified_ancestor_and_ends_bitwise_clean(
@@ -129,8 +136,7 @@ async def test_a_nan_loss_and_a_gradient_spike_skip_their_update_without_touchin
     paths = {c.step: Path(c.path) for c in await handle.query(RunWorkflow.checkpoints)}
 
     def weights(step: int) -> dict[str, torch.Tensor]:
-        _, tensors = load_checkpoint(paths[step])
-        return {n: t for n, t in tensors.items() if n.startswith(("model/", "optim/"))}
+        return checkpoint_state(paths[step], step)
 
     for skipped in (8, 30):
         assert_bitwise_equal(weights(skipped), weights(skipped - 1))

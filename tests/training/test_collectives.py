@@ -36,7 +36,7 @@ def read(path: Path) -> CollectiveProgress | None:
 def test_each_collective_is_counted_into_the_file(progress_file: Path) -> None:
     collectives.begin(2)
     assert read(progress_file) == CollectiveProgress(generation=2, step=0, entered=0, completed=0, site=0)
-    collectives.broadcast(torch.ones(3), 0, Site.HANDOVER)
+    collectives.all_reduce(torch.ones(1), Site.RESTORE)
     collectives.at_step(5)
     collectives.all_reduce(torch.ones(3), Site.GRADIENTS)
     assert read(progress_file) == CollectiveProgress(generation=2, step=5, entered=2, completed=2, site=Site.GRADIENTS)
