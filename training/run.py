@@ -27,8 +27,8 @@ loop that can split its batch unevenly.
 
 A held rank waits until storage has the checkpoint of the held step, and joins the next generation,
 which resumes from that checkpoint, resharded: in place where the loop says its model is bound to no
-process group (`rejoin_in_place`), keeping its process and memory, else (DDP and FSDP2 bind theirs)
-by re-executing itself.
+process group (`rejoin_in_place`), keeping its process and memory (when every rank did, nobody
+loads: each holds that state already), else (DDP and FSDP2 bind theirs) by re-executing itself.
 
 Outside stayalive (no STAYALIVE_* environment) `Run` only counts steps, so the same script runs
 under plain torchrun.
@@ -142,6 +142,7 @@ class Run:
         """This process's part in a generation, its group already formed: the API's groups, the agent's
         channel, the checks, the checkpoints, and the state to resume from (`carried`: this process
         held in the last generation and keeps its own RNG streams and data position)."""
+        verified = self._last_verified() if carried else 0  # the last generation's checks, still in place
         self.config = config = SupervisionConfig.from_env()
         self.target_step = config.target_step
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -201,8 +202,21 @@ class Run:
             on_outage=self._outage,
             durable=resume.name if resume is not None else None,
         )
-        if resume is not None:
+        if resume is None:
+            return
+        if self._everyone_carried(carried):
+            # Nobody new: every rank holds the held step's state already, which is what the checkpoint has.
+            if self.checks is not None:
+                self.checks.last_verified = verified
+            log.info("resuming in place: every rank kept the held step's state", checkpoint=resume.name)
+        else:
             self._restore(resume, tier, checkpoint_group, carried)
+
+    def _everyone_carried(self, carried: bool) -> bool:
+        """Whether every rank of the new group is a process carried over from the last generation."""
+        everyone = torch.tensor([int(carried)])
+        collectives.all_reduce(everyone, Site.RESTORE, op=dist.ReduceOp.MIN, group=self.control)
+        return bool(everyone.item())
 
     def _route(self) -> GradientRoute:
         assert self.route is not None
@@ -385,9 +399,9 @@ class Run:
         return state
 
     def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup, carried: bool) -> None:
-        """Every rank loads the checkpoint (a rank carried over in place loads what it holds already,
-        so the group's ranks agree on every value): this rank's own part only where it was saved and
-        this process did not carry its own."""
+        """Every rank loads the checkpoint (a newcomer is among them: a rank carried over in place loads
+        what it holds already, as DCP's load is collective): this rank's own part only where it was
+        saved and this process did not carry its own."""
         assert self.config is not None
         mine = f"ranks/{self.rank}"
 
