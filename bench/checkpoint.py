@@ -32,7 +32,6 @@ steady blocking time is at most 10% of torch.save's and no worse than async_save
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import resource
@@ -45,7 +44,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +56,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from stayalive.training.commit import Committer
 from stayalive.training.faults import FaultInjector
 from stayalive.training.memory import MemoryTier
-from stayalive.training.rng import rng_state
+from stayalive.training.run import checkpoint_state
 from stayalive.training.state_checkpointer import StateCheckpointer
 
 HIDDEN = 4096
@@ -120,15 +118,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def run_state(training: Training) -> dict[str, Any]:
-    """One rank's checkpoint as `Run` saves it (training/run.py `Run._state`): DCP state dicts of the
-    model and optimizer, and the rank's own RNG streams as one opaque value."""
-    model, optimizer = get_state_dict(training.model, training.optimizer)
-    own = io.BytesIO()
-    torch.save({"rng": rng_state()}, own)
-    return {"model": model, "optim": optimizer, "ranks/0": own.getvalue()}
-
-
 @contextmanager
 def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
     # A single-rank gloo group, as `Run` has; its checkpointer plans DCP's writes on a group of its own.
@@ -155,7 +144,8 @@ def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
 
     def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        checkpointer.save(training.step, run_state(training))  # what `run.checkpoint()` blocks the step for
+        state = checkpoint_state(training.model, training.optimizer, shared={}, per_rank={}, rank=0)
+        checkpointer.save(training.step, state)  # what `run.checkpoint()` blocks the step for
         blocking = time.perf_counter() - started
         checkpointer.wait()
         return blocking, time.perf_counter() - started

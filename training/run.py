@@ -383,20 +383,7 @@ class Run:
     # -- state ---------------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        """What a checkpoint holds: the model and optimizer (DCP state dicts: sharded for FSDP2), the
-        shared objects, and this rank's own (RNG, data position) as one opaque value, which other
-        world sizes neither need nor could reshard."""
-        state: dict[str, Any] = {}
-        if self.optimizer is not None:
-            state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
-        else:
-            state["model"] = get_model_state_dict(self.model)
-        state |= {f"state/{name}": obj.state_dict() for name, obj in self.shared.items()}
-        mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in self.per_rank.items()}
-        buffer = io.BytesIO()
-        torch.save(mine, buffer)
-        state[f"ranks/{self.rank}"] = buffer.getvalue()
-        return state
+        return checkpoint_state(self.model, self.optimizer, self.shared, self.per_rank, self.rank)
 
     def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup, carried: bool) -> None:
         """Every rank loads the checkpoint (a newcomer is among them: a rank carried over in place loads
@@ -470,3 +457,26 @@ class Run:
         assert self.config is not None
         generation, why = self.config.generation, str(error)
         self._report(StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why))
+
+
+def checkpoint_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    shared: dict[str, Stateful],
+    per_rank: dict[str, Stateful],
+    rank: int,
+) -> dict[str, Any]:
+    """What a checkpoint holds: the model and optimizer (DCP state dicts: sharded for FSDP2), the
+    shared objects, and this rank's own (RNG, data position) as one opaque value, which other
+    world sizes neither need nor could reshard."""
+    state: dict[str, Any] = {}
+    if optimizer is not None:
+        state["model"], state["optim"] = get_state_dict(model, optimizer)
+    else:
+        state["model"] = get_model_state_dict(model)
+    state |= {f"state/{name}": obj.state_dict() for name, obj in shared.items()}
+    mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in per_rank.items()}
+    buffer = io.BytesIO()
+    torch.save(mine, buffer)
+    state[f"ranks/{rank}"] = buffer.getvalue()
+    return state
