@@ -85,15 +85,17 @@ def blocks(rank: int, trainer: Trainer, count: int, directory: str, results: Que
                         trainer.step(run, step)
 
 
-def serve_sink() -> str:
-    """A node agent's receiving end, reduced to reading and dropping every line."""
+def serve_sink(every_s: float = 0.0) -> str:
+    """A node agent's receiving end, reduced to reading and dropping every line; `every_s`: what has
+    arrived, at most that often (an agent on a core of its own, whose reading takes none of the ranks')."""
     server = socket.create_server(("127.0.0.1", 0))
 
     def drain(connection: socket.socket) -> None:
         with connection:
             connection.sendall(Challenge(nonce="0").model_dump_json().encode() + b"\n")  # as a hub opens
-            while connection.recv(1 << 16):
-                pass
+            while connection.recv(1 << 20):
+                if every_s:
+                    time.sleep(every_s)
 
     def accept() -> None:
         while True:

@@ -39,21 +39,32 @@ class GradientRoute:
         self.votes: torch.Tensor | None = None  # every rank's vote, summed, once it has ridden an all-reduce
         self._vote_sent = False
         self._first = True  # no gradient of this step has gone to its all-reduce yet
+        self._buckets: list[collectives.BucketAllReduce] = []  # this step's, issued and not yet waited for
 
     def begin(self) -> None:
         self.votes, self._vote_sent, self._first = None, False, True
+        self._buckets.clear()  # a backward pass the loop abandoned
 
     def ddp_hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Each gradient bucket's all-reduce: DDP's averaging, counted, the vote in the first."""
+        """Each gradient bucket's all-reduce: DDP's averaging, counted, the vote in the first. All are
+        waited for at the last bucket's, which DDP waits for right away anyway: the buckets before it
+        still overlap the backward pass."""
         self._leaving(bucket.parameters, bucket.gradients)
         if self.checks is not None:
             self.checks.entering(bucket.buffer())
-        exact, reduced_to = self.exact_resume, self._reduced
-        if self._vote_sent or bucket.buffer().dtype not in EXACT_DTYPES:
-            return collectives.ddp_all_reduce(None, bucket, per_tensor=exact, reduced_to=reduced_to)
-        self._vote_sent = True
-        votes = self.supervision.votes()
-        return collectives.ddp_all_reduce(None, bucket, votes, self._arrived, per_tensor=exact, reduced_to=reduced_to)
+        rides = not self._vote_sent and bucket.buffer().dtype in EXACT_DTYPES
+        self._vote_sent = self._vote_sent or rides
+        rider = self.supervision.votes() if rides else None
+        issued = collectives.bucket_all_reduce(bucket, self.supervision.world_size, rider, self.exact_resume)
+        self._buckets.append(issued)
+        if bucket.is_last():
+            for pending in self._buckets:
+                pending.finish()
+                if pending.rider is not None:
+                    self._arrived(pending.rider)
+                self._reduced(pending.reduced)
+            self._buckets.clear()
+        return issued.future
 
     def all_reduce(self, params: Iterable[torch.nn.Parameter], average: bool) -> None:
         """Every gradient of `params` in one flat all-reduce, the vote riding at its end."""

@@ -64,6 +64,10 @@ def main() -> None:
     parser.add_argument(
         "--in-place", action="store_true", help="with --manual: a held rank rejoins the next generation in its process"
     )
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's gradient bucket size")
+    parser.add_argument(
+        "--bucket-sums", action="store_true", help="DDP's bucket sums, not the API's exact per-tensor ones"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=0.0, help="accelerator time to add to every step")
     args = parser.parse_args()
@@ -87,12 +91,13 @@ def main() -> None:
     elif args.manual:
         model = layers
     else:
-        model = DistributedDataParallel(layers)
+        model = DistributedDataParallel(layers, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = Loader(len(inputs), 8, rank, world)
 
+    exact = not args.bucket_sums
     run = stayalive.Run(
-        model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=True, rejoin_in_place=args.in_place
+        model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=exact, rejoin_in_place=args.in_place
     )
     for step in run.steps():
         rank, world = run.rank, run.world_size  # another place in another group, once rejoined in place

@@ -25,18 +25,29 @@ WRAPPINGS: dict[str, tuple[str, ...]] = {"ddp": (), "fsdp2": ("--fsdp",), "manua
 
 
 def launch(
-    tmp_path: Path, name: str, ranks: int, *flags: str, generation: int = 0, resume: Path | None = None
+    tmp_path: Path,
+    name: str,
+    ranks: int,
+    *flags: str,
+    generation: int = 0,
+    resume: Path | None = None,
+    plain: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The loop of tests/training/api_loop.py to step 20, checkpointing every 5 steps under `tmp_path`."""
+    """The loop of tests/training/api_loop.py to step 20, checkpointing every 5 steps under `tmp_path`;
+    `plain`: under torchrun alone, where `Run` only counts steps."""
     out = tmp_path / f"{name}.pt"
-    env = os.environ | {
-        "STAYALIVE_RUN_ID": RUN_ID,
-        "STAYALIVE_GENERATION": str(generation),
-        "STAYALIVE_TARGET_STEP": "20",
-        "STAYALIVE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-        "STAYALIVE_CHECKPOINT_EVERY_STEPS": "5",
-        "STAYALIVE_RESUME_FROM": str(resume or ""),
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAYALIVE_")}
+    if plain:
+        flags = (*flags, "--steps", "20")
+    else:
+        env |= {
+            "STAYALIVE_RUN_ID": RUN_ID,
+            "STAYALIVE_GENERATION": str(generation),
+            "STAYALIVE_TARGET_STEP": "20",
+            "STAYALIVE_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+            "STAYALIVE_CHECKPOINT_EVERY_STEPS": "5",
+            "STAYALIVE_RESUME_FROM": str(resume or ""),
+        }
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), LOOP, "--out", str(out)]
     done = subprocess.run([*argv, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)[-6000:]
@@ -73,6 +84,15 @@ def test_a_resumed_loop_ends_bitwise_equal_to_an_uninterrupted_one(
     assert validate.test_load(committed).ok
     resumed = launch(directory, f"resumed-{wrapping}", 2, *WRAPPINGS[wrapping], generation=1, resume=committed)
     assert_equal(resumed, weights)
+
+
+@pytest.mark.parametrize("sums", ["exact", "bucket"])
+def test_ddp_gradient_buckets_through_the_api_end_where_plain_ddp_does(tmp_path: Path, sums: str) -> None:
+    """Many buckets, each all-reduced through the API's comm hook (the vote riding the first, every one
+    waited for at the last): the weights end bitwise where DDP's own all-reduce under plain torchrun
+    puts them (two ranks: a sum of two is the same in any order)."""
+    flags = ("--bucket-cap-mb", "0.0005", *(("--bucket-sums",) if sums == "bucket" else ()))  # a bucket a tensor
+    assert_equal(launch(tmp_path, "supervised", 2, *flags), launch(tmp_path, "plain", 2, *flags, plain=True))
 
 
 def test_an_fsdp2_state_resumes_resharded_at_another_world_size(
