@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -85,7 +85,7 @@ def all_reduce(
         _entered(site)
     # One call site for the healthy collective and the injected stall: faulthandler's frames of a
     # stalled rank are those of its peers, which is the case the counters exist for.
-    dist.all_reduce(tensor, op=op, group=group)
+    _issue([tensor], group, op).wait()
     _completed()
 
 
@@ -99,7 +99,7 @@ class BucketAllReduce:
     reduced: torch.Tensor  # where the bucket's all-reduced gradient lands
     rider: torch.Tensor | None  # where the rider's sum lands
     works: list[dist.Work]
-    future: torch.futures.Future[torch.Tensor]
+    future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
 
     def finish(self) -> None:
         """Wait for it (on NCCL, this orders the streams only), count it completed, and hand DDP the
@@ -119,13 +119,9 @@ def bucket_all_reduce(
 ) -> BucketAllReduce:
     """Issue `bucket`'s all-reduce on the default group (DDP's, averaged over its `world_size`), `rider`
     at its end. `per_tensor`: sum each gradient on its own, in an order that does not depend on the bucket."""
-    stalled, counted = _stalled_or(None)
+    target, counted = _stalled_or(None)
     if counted:
         _entered(Site.GRADIENTS)
-    # The process group's own all-reduce, as DDP's C++ hook calls it: dist.all_reduce's checks and
-    # logging cost a rank on a shared host 40 µs of CPU a call, a fifth of what the API adds to a step.
-    target = stalled or dist.group.WORLD
-    assert target is not None
     gradients = bucket.buffer().div_(world_size)
     if per_tensor:
         # Each gradient at offset 0 of an all-reduce of its own (they are views into the bucket): a
@@ -133,13 +129,23 @@ def bucket_all_reduce(
         # process's first step (a resumed one's) differently from its later ones.
         summed = rider.clone() if rider is not None else None
         tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
-        works = [target.allreduce([t]) for t in tensors]
-        return BucketAllReduce(gradients, summed, works, torch.futures.Future())
+        return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
     flat = gradients if rider is None else torch.cat([gradients, rider.to(gradients.dtype)])
-    work = target.allreduce([flat])
     size = gradients.numel()
     reduced, summed = (flat, None) if rider is None else (flat[:size], flat[size:])
-    return BucketAllReduce(reduced, summed, [work], torch.futures.Future())
+    return BucketAllReduce(reduced, summed, [_issue([flat], target)])
+
+
+def _issue(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> dist.Work:
+    """The process group's own all-reduce, as DDP's C++ hook calls it: dist.all_reduce's checks and
+    logging cost a rank on a shared host 40 µs of CPU a call, a fifth of what the API adds to a step."""
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(op)
+    target = group or dist.group.WORLD
+    assert target is not None
+    return target.allreduce(tensors, options)
 
 
 def _stalled_or(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
