@@ -311,7 +311,7 @@ class NodeAgent:
 
     def _env(self, launch: NodeLaunch, local_rank: int) -> dict[str, str]:
         run_dir = self.state_dir / "runs" / launch.run_id / f"g{launch.generation}"
-        return rank_env(launch, local_rank, self.relays[launch.run_id].endpoint) | {
+        return rank_env(launch, local_rank, self.relays[launch.run_id].endpoint, os.environ) | {
             "STAYALIVE_AGENT": str(self.hub.endpoint),
             # What opens this run's doors at any hub (its own node's, its replica's): Hello, PutFile, GetFile.
             "STAYALIVE_RUN_TOKEN": run_token(self.hub.secret, launch.run_id),

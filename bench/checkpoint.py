@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from stayalive.training.commit import Committer
 from stayalive.training.faults import FaultInjector
+from stayalive.training.loop_state import LoopState
 from stayalive.training.memory import MemoryTier
-from stayalive.training.run import checkpoint_state
 from stayalive.training.state_checkpointer import StateCheckpointer
 
 HIDDEN = 4096
@@ -144,7 +144,7 @@ def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
 
     def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        state = checkpoint_state(training.model, training.optimizer, shared={}, per_rank={}, rank=0)
+        state = LoopState(training.model, training.optimizer).state(rank=0)
         checkpointer.save(training.step, state)  # what `run.checkpoint()` blocks the step for
         blocking = time.perf_counter() - started
         checkpointer.wait()

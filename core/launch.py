@@ -8,6 +8,8 @@ only its own part of it (`NodeLaunch`), so nothing a launch sends grows with the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import BaseModel
 
 from stayalive.core.faults import HardwareFault
@@ -179,11 +181,18 @@ def supervision_env(
     return env
 
 
-def rank_env(launch: NodeLaunch, local_rank: int, store: Endpoint) -> dict[str, str]:
+def rank_env(
+    launch: NodeLaunch, local_rank: int, store: Endpoint, inherited: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The torchrun environment of one rank; `store` is where it reaches the generation's rendezvous
-    store: its own node agent's relay, not the store itself (agent/relay.py)."""
+    store: its own node agent's relay, not the store itself (agent/relay.py). `inherited` is the
+    environment the rank gets from its agent, which this adds to."""
     rank = launch.ranks[local_rank]
+    chosen = {**(inherited or {}), **launch.env}
     return {
+        # torchrun's default where a node runs several ranks, unless the spec or the agent chose: one
+        # OpenMP thread each, where each would otherwise take every core and the node's ranks thrash.
+        **({"OMP_NUM_THREADS": "1"} if len(launch.ranks) > 1 and "OMP_NUM_THREADS" not in chosen else {}),
         **launch.env,
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),

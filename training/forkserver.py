@@ -27,6 +27,8 @@ Limits (checked by `unfit` before the agent asks; it starts the rank cold otherw
   counts, CUDA_*/NVIDIA_*/HIP_* device visibility, PYTORCH_*/TORCH* settings other than
   TORCHELASTIC_*) must have the values the server started with: `import torch` has already read
   them. The agent starts its server with its own environment, so only a spec's `env` can differ.
+  One exception: a whole-number OMP_NUM_THREADS (what torchrun sets, and the agent as it does) is
+  applied in the child with `torch.set_num_threads`, which is what torch does with it at start-up.
 - The server never initialises CUDA, so CUDA_VISIBLE_DEVICES and the device a rank picks from
   LOCAL_RANK are still the rank's own choice.
 - Modules imported by the server stay imported; a rank's code sees the same files a cold start
@@ -85,6 +87,7 @@ IMPORT_TIME = (
     "TORCH",
 )
 RUNTIME = ("TORCHELASTIC_",)
+THREADS = "OMP_NUM_THREADS"  # applied when the child becomes the rank (become), if a whole number
 
 
 class Assignment(BaseModel):
@@ -122,6 +125,12 @@ def profile_for(argv: list[str]) -> str:
     return "trainer" if target is not None and target.module == TRAINER_MODULE else "script"
 
 
+def thread_count(env: dict[str, str]) -> int | None:
+    """OMP_NUM_THREADS as one positive number; None where it is unset or a list (OpenMP's nesting)."""
+    value = env.get(THREADS, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def unfit(argv: list[str], server_env: dict[str, str], env: dict[str, str]) -> str | None:
     """Why a fork server started with `server_env` cannot run this launch; None when it can."""
     if entrypoint(argv) is None:
@@ -129,7 +138,10 @@ def unfit(argv: list[str], server_env: dict[str, str], env: dict[str, str]) -> s
     changed = sorted(
         key
         for key in server_env.keys() | env.keys()
-        if server_env.get(key) != env.get(key) and key.startswith(IMPORT_TIME) and not key.startswith(RUNTIME)
+        if server_env.get(key) != env.get(key)
+        and key.startswith(IMPORT_TIME)
+        and not key.startswith(RUNTIME)
+        and not (key == THREADS and thread_count(env) is not None)
     )
     if changed:
         return f"variables read at start-up differ from the fork server's: {', '.join(changed)}"
@@ -160,6 +172,10 @@ def become(assignment: Assignment) -> None:
     os.chdir(assignment.cwd)
     os.environ.clear()  # exactly the rank's environment, nothing left over from the server's
     os.environ.update(assignment.env)
+    if (threads := thread_count(assignment.env)) is not None:
+        import torch  # warm: the server imported it
+
+        torch.set_num_threads(threads)
     if target.module is not None:
         sys.path[0] = os.getcwd()  # what `python -m` puts first
         sys.argv = [target.module, *target.args]  # run_module replaces argv[0] with the module's file

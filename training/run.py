@@ -36,24 +36,17 @@ under plain torchrun.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from stayalive.core.hangs import Site
@@ -62,26 +55,17 @@ from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello,
 from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, within_root
-from stayalive.training.commit import Committer
 from stayalive.training.dcp_format import DcpManifest
 from stayalive.training.faults import FaultInjector
 from stayalive.training.gradient_route import GradientRoute, plain_all_reduce
 from stayalive.training.logs import configure_logging
 from stayalive.training.loop_checks import LoopChecks
-from stayalive.training.rng import reseed, rng_state, set_rng_state
-from stayalive.training.state_checkpointer import StateCheckpointer
-from stayalive.training.state_restore import agreed_checkpoint, restore_state
+from stayalive.training.loop_state import LoopState, Stateful
+from stayalive.training.state_checkpointer import open_checkpoints
+from stayalive.training.state_restore import agreed_checkpoint
 from stayalive.training.supervision import Supervision, SupervisionConfig
 
 log = structlog.get_logger()
-
-
-class Stateful(Protocol):
-    """What a data loader or any other saved object offers (torchdata's StatefulDataLoader does)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
 
 
 class Run:
@@ -110,8 +94,8 @@ class Run:
         own process, keeping its memory; otherwise it re-executes itself."""
         self.exact_resume, self.rejoin_in_place = exact_resume, rejoin_in_place
         self.model, self.optimizer = model, optimizer
-        self.per_rank = {"dataloader": dataloader} if dataloader is not None else {}
-        self.shared = dict(state or {})
+        per_rank: dict[str, Stateful] = {"dataloader": dataloader} if dataloader is not None else {}
+        self.state = LoopState(model, optimizer, shared=dict(state or {}), per_rank=per_rank)
         self.step = 0  # the last step completed (or restored)
         self._loss: float | None = None
         self._samples: list[int] = []
@@ -178,29 +162,16 @@ class Run:
         )
         if self.checks is not None:
             self.checks.ride = route.ride
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            memory.publish_hub(store, self.rank // ranks_per_node, config.agent)
-        tier = config.memory_tier(store, self.rank, self.world_size, ranks_per_node)
-        committer = Committer(
-            config.checkpoint_dir,
-            config.run_id,
-            config.generation,
-            dist.PrefixStore("stayalive/checkpoints", store),
-            tier,
-            self.faults,
-        )
         resume = agreed_checkpoint(config.resume_from, self.rank, self.world_size, self.control)
-        self.checkpointer = StateCheckpointer(
-            committer,
+        self.checkpointer, tier = open_checkpoints(
+            config,
             self.rank,
             self.world_size,
             checkpoint_group,
-            config.config_digest,
+            self.faults,
+            durable=resume.name if resume is not None else None,
             on_commit=self._committed,
             on_outage=self._outage,
-            durable=resume.name if resume is not None else None,
         )
         if resume is None:
             return
@@ -283,7 +254,7 @@ class Run:
             self.speeds = decision.speeds
             log.info("rebalance asked for: run.speeds", speeds=[round(s, 3) for s in decision.speeds])
         if decision.checkpoint:
-            self.checkpointer.save(step, self._state(), self._last_verified())
+            self.checkpointer.save(step, self.state.state(self.rank), self._last_verified())
         if decision.hold:
             self._hold()
         return not decision.stop and step < self.target_step
@@ -309,7 +280,7 @@ class Run:
         """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
         if self.config is None:
             return 0.0
-        return self.checkpointer.save(self.step, self._state(), self._last_verified())
+        return self.checkpointer.save(self.step, self.state.state(self.rank), self._last_verified())
 
     def replay_with(
         self, replay: Callable[[], object] | None = None, *, of_rank: Callable[[int], object] | None = None
@@ -382,47 +353,19 @@ class Run:
 
     # -- state ---------------------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        return checkpoint_state(self.model, self.optimizer, self.shared, self.per_rank, self.rank)
-
     def _restore(self, resume: Path, tier: memory.MemoryTier | None, group: dist.ProcessGroup, carried: bool) -> None:
-        """Every rank loads the checkpoint (a newcomer is among them: a rank carried over in place loads
-        what it holds already, as DCP's load is collective): this rank's own part only where it was
-        saved and this process did not carry its own."""
         assert self.config is not None
-        mine = f"ranks/{self.rank}"
-
-        def state_for(manifest: DcpManifest) -> dict[str, Any]:
-            """The state as it is now, for DCP to load into."""
-            current = self._state()
-            own = self.rank < manifest.world_size and not carried
-            return current if own else {k: v for k, v in current.items() if k != mine}
-
         try:
             directory = within_root(self.config.checkpoint_dir, resume)
-            restored = restore_state(directory, self.config.run_id, self.rank, self.world_size, tier, group, state_for)
+            restored = self.state.restore(
+                directory, self.config.run_id, self.rank, self.world_size, tier, group, carried
+            )
         except CheckpointError as exc:
             log.error("cannot resume", checkpoint=str(resume), error=str(exc))
             sys.exit(EXIT_CHECKPOINT_UNUSABLE)
-        loaded = restored.state
-        if self.optimizer is not None:
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-            )
-        else:
-            set_model_state_dict(self.model, loaded["model"])
-        for name, obj in self.shared.items():
-            obj.load_state_dict(loaded[f"state/{name}"])
         self.step = restored.manifest.step
         if self.checks is not None:
             self.checks.last_verified = restored.manifest.last_verified_step
-        if mine in loaded:
-            own = torch.load(io.BytesIO(loaded[mine]), weights_only=True)
-            set_rng_state(own.pop("rng"))
-            for name, obj in self.per_rank.items():
-                obj.load_state_dict(own[name])
-        elif not carried:  # a rank the checkpoint did not have: fresh streams, from where its data begins
-            reseed(self.step, self.rank)
         self._report(
             Resumed(
                 rank=self.rank,
@@ -457,26 +400,3 @@ class Run:
         assert self.config is not None
         generation, why = self.config.generation, str(error)
         self._report(StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why))
-
-
-def checkpoint_state(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    shared: dict[str, Stateful],
-    per_rank: dict[str, Stateful],
-    rank: int,
-) -> dict[str, Any]:
-    """What a checkpoint holds: the model and optimizer (DCP state dicts: sharded for FSDP2), the
-    shared objects, and this rank's own (RNG, data position) as one opaque value, which other
-    world sizes neither need nor could reshard."""
-    state: dict[str, Any] = {}
-    if optimizer is not None:
-        state["model"], state["optim"] = get_state_dict(model, optimizer)
-    else:
-        state["model"] = get_model_state_dict(model)
-    state |= {f"state/{name}": obj.state_dict() for name, obj in shared.items()}
-    mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in per_rank.items()}
-    buffer = io.BytesIO()
-    torch.save(mine, buffer)
-    state[f"ranks/{rank}"] = buffer.getvalue()
-    return state

@@ -14,6 +14,7 @@ built-in trainer's too, checkpoints this way (training/run.py).
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,10 @@ from stayalive.training.dcp_format import (
     load_dcp_metadata,
     tensor_entries,
 )
+from stayalive.training.faults import FaultInjector
 from stayalive.training.flusher import Flusher
+from stayalive.training.memory import MemoryTier
+from stayalive.training.supervision import SupervisionConfig
 
 log = structlog.get_logger()
 
@@ -197,3 +201,30 @@ class StateCheckpointer:
             tensors=tensor_entries(load_dcp_metadata((tmp / DCP_METADATA).read_bytes())),
             ranks=ranks,
         ).sealed()
+
+
+def open_checkpoints(
+    config: SupervisionConfig,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup,
+    faults: FaultInjector,
+    *,
+    durable: str | None,
+    on_commit: Callable[[DcpManifest, Path], None],
+    on_outage: Callable[[int, float, OSError], None],
+) -> tuple[StateCheckpointer, MemoryTier | None]:
+    """A generation's checkpoints, as a rank launched by stayalive saves them: committed through the
+    generation's store, kept in its node's host-memory tier (whose agent each node's first rank
+    publishes there, for the ranks whose replicas it holds)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        memory.publish_hub(store, rank // ranks_per_node, config.agent)
+    tier = config.memory_tier(store, rank, world_size, ranks_per_node)
+    prefixed = dist.PrefixStore("stayalive/checkpoints", store)
+    committer = Committer(config.checkpoint_dir, config.run_id, config.generation, prefixed, tier, faults)
+    checkpointer = StateCheckpointer(
+        committer, rank, world_size, group, config.config_digest, on_commit, on_outage, durable
+    )
+    return checkpointer, tier

@@ -25,6 +25,7 @@ report = {
     "warm": WARM_AT_ENTRY,
     "dynamo": DYNAMO_AT_ENTRY,
     "pid": os.getpid(),
+    "threads": torch.get_num_threads(),
     "rank": os.environ.get("RANK"),
     "leftover": os.environ.get("FORK_PROBE_LEFTOVER"),
     "cwd": os.getcwd(),

@@ -121,12 +121,22 @@ async def test_a_forked_rank_runs_a_script_and_an_exception_exits_1_with_its_tra
     assert "RuntimeError: probe raised" in tail and "probe atexit ran" in tail
 
 
+async def test_a_forked_rank_takes_the_thread_count_torchrun_gives_it(server: ForkServer, tmp_path: Path) -> None:
+    """OMP_NUM_THREADS is read when torch starts, which a forked rank does not: the server applies it
+    (as torch.set_num_threads), so the agent's one thread per rank holds for forked ranks too (3: not
+    the server's own count, every core of a 2-core host)."""
+    rank = await forked(server, MODULE, tmp_path / "rank-0.log", env={"OMP_NUM_THREADS": "3"})
+    assert await rank.waiter == 0
+    assert report(rank)["threads"] == 3, "the server's own count (every core) where the rank's is 3"
+
+
 @pytest.mark.parametrize(
     ("argv", "env"),
     [
         (["/bin/true"], {}),  # not python
         ([sys.executable, "-u", "-m", "tests.agent.fork_probe"], {}),  # an interpreter option
-        (MODULE, {"OMP_NUM_THREADS": "3"}),  # read when torch is imported: already too late
+        (MODULE, {"MKL_NUM_THREADS": "3"}),  # read when torch is imported: already too late
+        (MODULE, {"OMP_NUM_THREADS": "4,2"}),  # OpenMP's nested counts: no one number to apply
         (MODULE, {"CUDA_VISIBLE_DEVICES": "1"}),
     ],
 )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stayalive.core.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
+
+STORE = Endpoint(host="127.0.0.1", port=41000)
 
 
 def test_ranks_are_contiguous_per_node() -> None:
@@ -20,7 +24,7 @@ def test_rank_env_is_torchruns_with_a_fresh_store_namespace_per_generation() -> 
         entrypoint=["python", "x.py"],
         env={"STAYALIVE_RUN_ID": "r/1"},
     )
-    env = rank_env(launch, local_rank=1, store=Endpoint(host="127.0.0.1", port=41000))
+    env = rank_env(launch, local_rank=1, store=STORE)
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
         "RANK": "3",
         "LOCAL_RANK": "1",
@@ -33,3 +37,28 @@ def test_rank_env_is_torchruns_with_a_fresh_store_namespace_per_generation() -> 
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
     assert env["STAYALIVE_RUN_ID"] == "r/1"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "spec_env", "agent_env", "threads"),
+    [
+        ([2, 3], {}, {}, "1"),  # torchrun's default for several ranks on a node
+        ([2], {}, {}, None),  # one rank: torch's own default, every core
+        ([2, 3], {"OMP_NUM_THREADS": "4"}, {}, "4"),  # the spec chose
+        ([2, 3], {}, {"OMP_NUM_THREADS": "8"}, None),  # the agent's environment chose: the rank inherits it
+    ],
+)
+def test_ranks_sharing_a_node_get_one_thread_each_unless_someone_chose(
+    ranks: list[int], spec_env: dict[str, str], agent_env: dict[str, str], threads: str | None
+) -> None:
+    launch = NodeLaunch(
+        run_id="r/1",
+        node="b",
+        generation=0,
+        ranks=ranks,
+        world_size=4,
+        rendezvous=Endpoint(host="10.0.0.1", port=29500),
+        entrypoint=["python", "x.py"],
+        env=spec_env,
+    )
+    assert rank_env(launch, local_rank=0, store=STORE, inherited=agent_env).get("OMP_NUM_THREADS") == threads

@@ -78,7 +78,7 @@ class Example:
         return RunSpec.model_validate(spec | overrides)
 
 
-# nanoGPT's step costs a third of a second here: 40 steps leave some 30 after the last thing a test does
+# nanoGPT's step costs a tenth of a second here: 40 steps leave some 30 after the last thing a test does
 # mid-run (the rollback once the killed rank's generation runs, near step 10; the drain at step 10).
 NANOGPT = Example("nanogpt", nanogpt_workdir, nanogpt_argv, "the gradient all-reduce", steps=40)
 # FSDP2's own collectives are not counted; the API's vote after each step is, and a hang stalls it.

@@ -1,0 +1,106 @@
+"""What a checkpoint of a user's loop holds (training/run.py), and putting it back.
+
+The model and optimizer go in as DCP state dicts (sharded for FSDP2, so DCP reshards them at another
+world size), with the objects the same on every rank (an LR scheduler, say). What is each rank's own
+(its RNG streams, its data loader's position) goes in as one opaque value per rank, which other world
+sizes neither need nor could reshard.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from stayalive.training.dcp_format import DcpManifest
+from stayalive.training.memory import MemoryTier
+from stayalive.training.rng import reseed, rng_state, set_rng_state
+from stayalive.training.state_restore import RestoredState, restore_state
+
+
+class Stateful(Protocol):
+    """What a data loader or any other saved object offers (torchdata's StatefulDataLoader does)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+@dataclass
+class LoopState:
+    """The objects of a loop that its checkpoints hold: `per_rank` is saved per rank (a data loader's
+    position), `shared` is the same on every rank (an LR scheduler)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    shared: dict[str, Stateful] = field(default_factory=dict)
+    per_rank: dict[str, Stateful] = field(default_factory=dict)
+
+    def state(self, rank: int) -> dict[str, Any]:
+        """What a checkpoint holds, as it stands: `rank`'s own value under `ranks/{rank}`."""
+        state: dict[str, Any] = {}
+        if self.optimizer is not None:
+            state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
+        else:
+            state["model"] = get_model_state_dict(self.model)
+        state |= {f"state/{name}": obj.state_dict() for name, obj in self.shared.items()}
+        mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in self.per_rank.items()}
+        buffer = io.BytesIO()
+        torch.save(mine, buffer)
+        state[_own(rank)] = buffer.getvalue()
+        return state
+
+    def restore(
+        self,
+        directory: Path,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        tier: MemoryTier | None,
+        group: dist.ProcessGroup,
+        carried: bool,
+    ) -> RestoredState:
+        """Every rank loads the checkpoint (DCP's load is collective, so a rank carried over in place
+        loads what it holds already): this rank's own value only where it was saved and this process
+        did not carry its own. A rank without one keeps its streams and position where its process
+        carried them over, else starts fresh streams from the restored step."""
+
+        def state_for(manifest: DcpManifest) -> dict[str, Any]:
+            """The state as it is now, for DCP to load into."""
+            current = self.state(rank)
+            own = rank < manifest.world_size and not carried
+            return current if own else {k: v for k, v in current.items() if k != _own(rank)}
+
+        restored = restore_state(directory, run_id, rank, world_size, tier, group, state_for)
+        loaded = restored.state
+        if self.optimizer is not None:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+            )
+        else:
+            set_model_state_dict(self.model, loaded["model"])
+        for name, obj in self.shared.items():
+            obj.load_state_dict(loaded[f"state/{name}"])
+        if (mine := loaded.get(_own(rank))) is not None:
+            own = torch.load(io.BytesIO(mine), weights_only=True)
+            set_rng_state(own.pop("rng"))
+            for name, obj in self.per_rank.items():
+                obj.load_state_dict(own[name])
+        elif not carried:
+            reseed(restored.manifest.step, rank)
+        return restored
+
+
+def _own(rank: int) -> str:
+    """Where a checkpoint keeps a rank's own value."""
+    return f"ranks/{rank}"
