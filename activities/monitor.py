@@ -34,6 +34,7 @@ from stayalive.core.events import (
     MonitorReport,
     NodeLost,
     RankFailed,
+    RanksFinished,
     SdcDetected,
 )
 from stayalive.core.run import Outage
@@ -42,7 +43,7 @@ from stayalive.core.watch import GenerationWatch
 
 HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving
-HELD_VERDICT_WITHIN = 300.0  # the held step's checkpoint is on storage; its verdict is a validation away
+VERDICT_WITHIN = 300.0  # the held or final step's checkpoint is on storage; its verdict is a validation away
 ENDS = (RankFailed, NodeLost, Hang, SdcDetected)
 
 
@@ -120,12 +121,14 @@ async def watch(
                 events.append(seen.tick(now, time.time()))
                 next_tick = now + TICK_SECONDS
             if (held := seen.all_held()) is not None:
-                judged = await handover.held(held, HELD_VERDICT_WITHIN)
+                judged = await handover.held(held, VERDICT_WITHIN)
                 ended = AllHeld(step=held, judged=judged, progress=seen.summary())
                 return MonitorReport(generation=input.generation, event=ended)
             for event in events:
                 if isinstance(event, ENDS):
                     return MonitorReport(generation=input.generation, event=event)
+                if isinstance(event, RanksFinished):
+                    return MonitorReport(generation=input.generation, event=await _with_verdict(event, input, handover))
                 if event is not None:
                     if not await signal_run(MONITOR_REPORT, MonitorReport(generation=input.generation, event=event)):
                         await _until_cancelled(beat)
@@ -136,6 +139,16 @@ async def watch(
                 if seen.witness is None:  # a witness's record must be read again by a monitor that replaces this one
                     streams.ack(places)
                 next_beat = now + HEARTBEAT_SECONDS
+
+
+async def _with_verdict(finished: RanksFinished, input: MonitorInput, handover: Handover) -> RanksFinished:
+    """Every rank has finished: nothing is left to watch but the keeper's verdict on the final
+    checkpoint, which this generation wrote unless it resumed from it. The monitor ends with it
+    instead of waiting to be cancelled (a cancel reaches an activity only with its next heartbeat)."""
+    keeper, step = input.keeper, finished.last_step
+    if keeper is None or step is None or step != keeper.final_step or any(c.step == step for c in keeper.checkpoints):
+        return finished
+    return finished.model_copy(update={"judged": await handover.held(step, VERDICT_WITHIN)})
 
 
 async def _until_cancelled(beat: Heartbeat) -> None:

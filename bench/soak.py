@@ -145,14 +145,13 @@ class Soak:
         try:
             result = await asyncio.wait_for(self.result(handle), RUN_TIMEOUT_S)
             acted, missed = await asyncio.wait_for(driver, timeout=120)
-            await asyncio.sleep(1)  # the last reports reach the collector
         finally:
             watcher.cancel()
             driver.cancel()
         status = await status_of(handle)
         for record in [*status.rejected_checkpoints, *status.checkpoints]:
             records[(record.step, record.generation)] = record
-        evidence = collector.stop()
+        evidence = await collector.stop()
         placement = {(m.generation, m.rank): r.node for r in evidence if isinstance(m := r.message, RankStarted)}
         faults, unexpected = judge_faults(run, result.interruptions, status.detections, placement, acted, missed)
         verdict = RunVerdict(

@@ -30,6 +30,7 @@ class KeeperInput(BaseModel):
     sdc_check_steps: float
     checkpoint_steps: float  # the interval this generation's ranks were given, in steps
     validation: list[str] = []  # CheckpointSpec.validation: the user's own check, after stayalive's
+    final_step: int | None = None  # the run's target: once every rank finished, the monitor waits for its verdict
 
 
 class MonitorInput(BaseModel):
@@ -196,18 +197,6 @@ class NodeLost(BaseModel):
     progress: Progress = Progress()
 
 
-class RanksFinished(BaseModel):
-    """Every rank of the generation exited cleanly, or some did and the rest outstayed the exit
-    grace (`lingering`: they are stopped with the run)."""
-
-    kind: Literal["finished"] = "finished"
-    generation: int
-    last_step: int | None
-    progress: Progress
-    lingering: list[int] = []
-    grace_s: float = 0.0
-
-
 # The signal that carries a CheckpointJudged from the run monitor's keeper to its RunWorkflow.
 CHECKPOINT_JUDGED = "checkpoint_judged"
 
@@ -218,6 +207,20 @@ class CheckpointJudged(BaseModel):
     generation: int
     checkpoint: CheckpointRecord
     deleted: list[str]  # checkpoint directories retention dropped
+
+
+class RanksFinished(BaseModel):
+    """Every rank of the generation exited cleanly, or some did and the rest outstayed the exit
+    grace (`lingering`: they are stopped with the run). The monitor ends with it once the keeper has
+    judged the final checkpoint (KeeperInput.final_step), and carries the verdict, as AllHeld does."""
+
+    kind: Literal["finished"] = "finished"
+    generation: int
+    last_step: int | None
+    progress: Progress
+    lingering: list[int] = []
+    grace_s: float = 0.0
+    judged: CheckpointJudged | None = None
 
 
 class AllHeld(BaseModel):

@@ -22,7 +22,7 @@ from stayalive.activities.hubs import open_hub
 from stayalive.core.fleet import FleetNode
 from stayalive.core.run import CheckpointRecord, RunState, RunStatus
 from stayalive.core.spec import RunSpec
-from stayalive.core.telemetry import NodeSteps, RankStarted, Record, StepReport, Subscribe
+from stayalive.core.telemetry import Beat, NodeSteps, RankStarted, Record, StepReport, Subscribe
 from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, load_dcp_tensors, read_dcp_manifest
 from stayalive.workers.secret import SECRET_ENV, load_secret
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
@@ -197,6 +197,7 @@ class RecordCollector:
         try:
             while line := await reader.readline():
                 if line.startswith(b'{"t":"beat"'):
+                    stream.beat_at = Beat.model_validate_json(line).at
                     continue
                 record = Record.model_validate_json(line)
                 of = getattr(record.message, "generation", None)
@@ -216,7 +217,15 @@ class RecordCollector:
                 raise TimeoutError(f"no step {step} from {node} in {timeout}s (generations begun there: {begun})")
             await asyncio.sleep(0.05)
 
-    def stop(self) -> list[Record]:
+    async def stop(self, timeout: float = 5.0) -> list[Record]:
+        """Everything collected, once each stream that has begun has delivered what its hub held when
+        asked: a stream is in order, and its hub beats within a second of having nothing to send. A run
+        that has just completed has released its nodes, which read nothing to a stream opened later."""
+        asked, deadline = time.time(), time.monotonic() + timeout
+        while any(s.begun and s.beat_at < asked and not s.task.done() for s in self._streams.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a node's stream delivered nothing for {timeout}s")
+            await asyncio.sleep(0.05)
         for task in [self._watch, *(s.task for s in self._streams.values())]:
             task.cancel()
         return self.records
@@ -226,6 +235,7 @@ class RecordCollector:
 class _Stream:
     opened: float
     begun: bool = False  # its generation's records came: kept open from then on
+    beat_at: float = 0.0  # when its hub sent the newest beat: everything before it has been read
     task: asyncio.Task[None] = field(init=False)
 
 
@@ -284,7 +294,7 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
     try:
         await collector.caught_up(node, step, timeout)
     finally:
-        records = collector.stop()
+        records = await collector.stop()
     return max(r.step for r in step_reports([r for r in records if r.node == node]))
 
 

@@ -38,10 +38,11 @@ async def judge_leftovers(book: RunBook) -> None:
     book.file_leftovers(found)
 
 
-async def final_verdict(book: RunBook, inbox: Inbox, generation: int) -> bool:
-    """Every rank exited cleanly: wait for the keeper's verdict on the target step's checkpoint (a
-    generation that resumed from that very checkpoint has nothing more to write). True once it is
-    valid. If the keeper does not answer in time, storage, not telemetry, is the record: judge it."""
+async def final_verdict(book: RunBook, inbox: Inbox, generation: int, keeper_gone: bool) -> bool:
+    """Every rank exited cleanly: the keeper's verdict on the target step's checkpoint (a generation
+    that resumed from that very checkpoint has nothing more to write). True once it is valid. A
+    monitor that ended without it (`keeper_gone`), or a keeper that does not answer in time, leaves
+    storage, not telemetry, as the record: judge it."""
     target = book.spec.target_step
     status = book.status
 
@@ -49,7 +50,7 @@ async def final_verdict(book: RunBook, inbox: Inbox, generation: int) -> bool:
         return any(c.step == target and (c.generation == generation or c.resumable) for c in status.checkpoints)
 
     while not judged():
-        if not await inbox.until(lambda: bool(inbox.verdicts), timeout=FINAL_VERDICT_WITHIN):
+        if keeper_gone or not await inbox.until(lambda: bool(inbox.verdicts), timeout=FINAL_VERDICT_WITHIN):
             workflow.logger.warning("no verdict on the final checkpoint from the keeper; judging storage")
             await judge_leftovers(book)
             break

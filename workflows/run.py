@@ -366,7 +366,8 @@ class RunWorkflow:
             await gen.end()
             book.move(RunState.COMPLETED)
             return
-        valid = await checkpoints.final_verdict(book, self.inbox, gen.number)
+        book.file_verdicts([finished.judged] if finished.judged is not None else [])
+        valid = await checkpoints.final_verdict(book, self.inbox, gen.number, keeper_gone=gen.monitor.done())
         await gen.end()
         if not valid:
             book.record(

@@ -22,6 +22,15 @@ async def test_a_completed_run_leaves_no_activity_pending(client: Client, checkp
     handle = await start(client, tiny_spec(checkpoint_root, target_step=20), "closing-completed")
     assert (await handle.result()).state == RunState.COMPLETED
     assert await pending(handle) == []
+    # Once every rank finished, the monitor ended by itself with the final checkpoint's verdict: a
+    # cancel would have waited for its next heartbeat (about a second of every completed run).
+    history = [e async for e in handle.fetch_history_events()]
+    monitors = {
+        e.event_id for e in history if e.activity_task_scheduled_event_attributes.activity_type.name == "monitor_run"
+    }
+    completed = {e.activity_task_completed_event_attributes.scheduled_event_id for e in history}
+    assert monitors and monitors <= completed, "every monitor completed"
+    assert not [e for e in history if e.HasField("activity_task_cancel_requested_event_attributes")]
 
 
 async def test_a_cancelled_run_leaves_no_activity_pending(client: Client, checkpoint_root: Path) -> None:

@@ -54,7 +54,7 @@ async def test_a_rank_slowed_1_5x_is_rebalanced_and_most_of_the_lost_throughput_
     collector = RecordCollector(client, handle)
     await wait_until(handle, lambda s: s.escalation is not None and s.escalation.strategy == Strategy.S2_REBALANCE)
     result = await handle.result()
-    records = collector.stop()
+    records = await collector.stop()
     assert result.state == RunState.COMPLETED and result.interruptions == [], "rebalancing stops nothing"
 
     reports = step_reports(records)

@@ -58,14 +58,14 @@ async def test_a_killed_rank_a_forced_checkpoint_and_a_rollback_to_it_end_bitwis
     crash, rollback = result.interruptions
     assert (crash.cause, crash.rank, crash.restored_from) == (Cause.CRASH, 3, "memory")
     assert (crash.resumed_from, rollback.cause, rollback.resumed_from) == (forced.step, Cause.ROLLBACK, forced.step)
-    losses = losses_as_they_stand(step_reports(collector.stop()))
+    losses = losses_as_they_stand(step_reports(await collector.stop()))
     weights = final_state(await handle.query(RunWorkflow.checkpoints), target)
 
     spec = example.spec(example.workdir(tmp_path / "reference-run"), tmp_path / "reference", target)
     reference = await start(client, spec, f"{example.name}-ref")
     reference_collector = RecordCollector(client, reference, ["n1", "n2"])
     assert (await reference.result()).state == RunState.COMPLETED
-    reference_losses = losses_as_they_stand(step_reports(reference_collector.stop()))
+    reference_losses = losses_as_they_stand(step_reports(await reference_collector.stop()))
     assert len(reference_losses) == 4 * target
     assert losses == reference_losses, "a step trained on other batches than the uninterrupted run's"
     assert_bitwise_equal(weights, final_state(await reference.query(RunWorkflow.checkpoints), target))
@@ -108,7 +108,7 @@ async def test_a_drain_goes_on_at_two_ranks_resharded_from_the_agreed_step(
     assert drain.cause == Cause.DRAIN and drain.step is not None and drain.resumed_from == drain.step
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["n1"] and status.world_size == 2
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     assert {r.rank for r in reports if r.step > drain.step} == {0, 1}
     assert max(r.step for r in reports) == target
     final = next(c for c in await handle.query(RunWorkflow.checkpoints) if c.step == target and c.validated)

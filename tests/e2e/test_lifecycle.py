@@ -88,7 +88,7 @@ async def test_drain_with_a_spare_runs_the_auto_cordon_sequence(client: Client, 
     )
     # The group changes only once every rank holds and the held step's checkpoint is judged.
     assert min(wait, checkpoint) > 0 and max(wait, checkpoint) < resize < relaunch < resume
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     assert samples_once(reports, [drain.step or 0], 150, GLOBAL_BATCH), "no sample lost or repeated across the resize"
 
 
@@ -106,7 +106,7 @@ async def test_drain_without_a_spare_shrinks_and_keeps_the_global_batch(client: 
     assert result.state == RunState.COMPLETED
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["n1"] and status.world_size == 2
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     assert {len(r.samples) for r in reports if r.generation == 1} == {GLOBAL_BATCH // 2}
     assert samples_once(reports, [result.interruptions[0].step or 0], 120, GLOBAL_BATCH)
 

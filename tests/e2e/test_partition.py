@@ -160,6 +160,6 @@ async def test_a_partitioned_node_is_fenced_out_and_the_run_completes_without_it
     assert not [p for p in directory.glob("step-*-g0") if int(p.name[5:13]) > partition.resumed_from]
 
     # Every sample of the final lineage read exactly once.
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     resumed = [i.resumed_from or 0 for i in result.interruptions]
     assert samples_once(reports, resumed, TARGET, global_batch=8), "a sample was lost or repeated"

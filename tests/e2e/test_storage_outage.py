@@ -37,7 +37,7 @@ async def test_a_storage_outage_during_a_write_is_ridden_through_without_a_rank_
     handle = await start(client, spec, f"storage-{kind}")
     collector = RecordCollector(client, handle, nodes=spec.nodes)
     result = await handle.result()
-    records = [r.message for r in collector.stop()]
+    records = [r.message for r in await collector.stop()]
 
     assert result.state == RunState.COMPLETED, result.failure
     assert result.interruptions == []

@@ -68,7 +68,7 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
     assert crash.lost_steps == (crash.step or 0) - crash.resumed_from
     assert crash.restart_seconds is not None and crash.restart_seconds > 0
 
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     lineage = final_lineage_samples(reports, result, target=100)
     assert sorted(lineage) == list(range(1, 101))
     consumed = [position for step in sorted(lineage) for position in lineage[step]]

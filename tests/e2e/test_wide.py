@@ -92,7 +92,7 @@ async def test_six_nodes_survive_a_killed_rank_and_a_drain(
     assert (drain.cause, drain.node, drain.restored_from) == (Cause.DRAIN, "w2", "live")
     status = await handle.query(RunWorkflow.status_query)
     assert status.nodes == ["w1", "w5", "w3", "w4", "w7", "w6"] and status.world_size == 6
-    reports = step_reports(collector.stop())
+    reports = step_reports(await collector.stop())
     resumed = [crash.resumed_from or 0, drain.step or 0]
     assert samples_once(reports, resumed, TARGET, GLOBAL_BATCH), "a sample was lost or repeated"
 
