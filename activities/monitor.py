@@ -143,10 +143,10 @@ async def watch(
 
 async def _with_verdict(finished: RanksFinished, input: MonitorInput, handover: Handover) -> RanksFinished:
     """Every rank has finished: nothing is left to watch but the keeper's verdict on the final
-    checkpoint, which this generation wrote unless it resumed from it. The monitor ends with it
+    checkpoint, where the workflow asked for one (KeeperInput.final_step). The monitor ends with it
     instead of waiting to be cancelled (a cancel reaches an activity only with its next heartbeat)."""
     keeper, step = input.keeper, finished.last_step
-    if keeper is None or step is None or step != keeper.final_step or any(c.step == step for c in keeper.checkpoints):
+    if keeper is None or step is None or step != keeper.final_step:
         return finished
     return finished.model_copy(update={"judged": await handover.held(step, VERDICT_WITHIN)})
 

@@ -30,7 +30,9 @@ class KeeperInput(BaseModel):
     sdc_check_steps: float
     checkpoint_steps: float  # the interval this generation's ranks were given, in steps
     validation: list[str] = []  # CheckpointSpec.validation: the user's own check, after stayalive's
-    final_step: int | None = None  # the run's target: once every rank finished, the monitor waits for its verdict
+    # The run's target, where this generation writes its checkpoint (None where it resumed from that
+    # one): once every rank has finished there, the monitor waits for that checkpoint's verdict.
+    final_step: int | None = None
 
 
 class MonitorInput(BaseModel):

@@ -9,12 +9,11 @@ sizes neither need nor could reshard.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -23,9 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from stayalive.training.dcp_format import DcpManifest
-from stayalive.training.memory import MemoryTier
 from stayalive.training.rng import reseed, rng_state, set_rng_state
-from stayalive.training.state_restore import RestoredState, restore_state
 
 
 class Stateful(Protocol):
@@ -60,29 +57,22 @@ class LoopState:
         state[_own(rank)] = buffer.getvalue()
         return state
 
-    def restore(
-        self,
-        directory: Path,
-        run_id: str,
-        rank: int,
-        world_size: int,
-        tier: MemoryTier | None,
-        group: dist.ProcessGroup,
-        carried: bool,
-    ) -> RestoredState:
-        """Every rank loads the checkpoint (DCP's load is collective, so a rank carried over in place
-        loads what it holds already): this rank's own value only where it was saved and this process
-        did not carry its own. A rank without one keeps its streams and position where its process
-        carried them over, else starts fresh streams from the restored step."""
+    def loadable(self, rank: int, carried: bool) -> Callable[[DcpManifest], dict[str, Any]]:
+        """What DCP loads a checkpoint into (state_restore.restore_state's `state_for`): the state as it
+        is now, with this rank's own value only where the checkpoint saved one and this process did
+        not carry its own over."""
 
         def state_for(manifest: DcpManifest) -> dict[str, Any]:
-            """The state as it is now, for DCP to load into."""
             current = self.state(rank)
             own = rank < manifest.world_size and not carried
             return current if own else {k: v for k, v in current.items() if k != _own(rank)}
 
-        restored = restore_state(directory, run_id, rank, world_size, tier, group, state_for)
-        loaded = restored.state
+        return state_for
+
+    def load(self, loaded: dict[str, Any], rank: int, step: int, carried: bool) -> None:
+        """Put what DCP loaded back into the loop's objects. A rank without a value of its own keeps
+        its streams and position where its process carried them over, else starts fresh streams from
+        the restored `step`."""
         if self.optimizer is not None:
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
@@ -97,8 +87,7 @@ class LoopState:
             for name, obj in self.per_rank.items():
                 obj.load_state_dict(own[name])
         elif not carried:
-            reseed(restored.manifest.step, rank)
-        return restored
+            reseed(step, rank)
 
 
 def _own(rank: int) -> str:

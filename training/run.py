@@ -62,7 +62,7 @@ from stayalive.training.logs import configure_logging
 from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.loop_state import LoopState, Stateful
 from stayalive.training.state_checkpointer import open_checkpoints
-from stayalive.training.state_restore import agreed_checkpoint
+from stayalive.training.state_restore import agreed_checkpoint, restore_state
 from stayalive.training.supervision import Supervision, SupervisionConfig
 
 log = structlog.get_logger()
@@ -357,13 +357,13 @@ class Run:
         assert self.config is not None
         try:
             directory = within_root(self.config.checkpoint_dir, resume)
-            restored = self.state.restore(
-                directory, self.config.run_id, self.rank, self.world_size, tier, group, carried
-            )
+            state_for = self.state.loadable(self.rank, carried)
+            restored = restore_state(directory, self.config.run_id, self.rank, self.world_size, tier, group, state_for)
         except CheckpointError as exc:
             log.error("cannot resume", checkpoint=str(resume), error=str(exc))
             sys.exit(EXIT_CHECKPOINT_UNUSABLE)
         self.step = restored.manifest.step
+        self.state.load(restored.state, self.rank, self.step, carried)
         if self.checks is not None:
             self.checks.last_verified = restored.manifest.last_verified_step
         self._report(

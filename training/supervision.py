@@ -112,7 +112,6 @@ class Supervision:
         self._seqs: set[int] = set()  # of the commands received: a retried delivery is not a new command
         self._seen = dict.fromkeys(_KINDS, 0)  # commands received, per kind
         self._acted = dict.fromkeys(_KINDS, 0)  # commands all ranks acted on, per kind
-        self._quiet = [0.0] * len(_KINDS)  # the summed counts when nobody has news: W × acted
         self._last_checkpoint = time.monotonic()
         self.every_seconds = config.every_seconds  # the checkpoint interval in force (an `interval` command moves it)
         self._speeds: list[float] = []  # of the newest rebalance command received
@@ -150,10 +149,6 @@ class Supervision:
         world, every_steps = self.world_size, self.config.every_steps
         *counts, due_by_time = votes.tolist()
         scheduled = (every_steps is not None and step % every_steps == 0) or step == self.config.target_step
-        if counts == self._quiet and not due_by_time:  # most steps: nobody has news (a shortcut, same answer)
-            if scheduled:
-                self._last_checkpoint = time.monotonic()
-            return Decision(checkpoint=scheduled, hold=False, stop=False)
         sums = {kind: round(count) for kind, count in zip(_KINDS, counts, strict=True)}
         news = {kind: sums[kind] > world * self._acted[kind] for kind in _KINDS}
         checkpoint = news["hold"] or news["checkpoint"] or due_by_time > 0 or scheduled
@@ -161,7 +156,6 @@ class Supervision:
         if news["interval"] and (seconds := self._agree_on_newest("interval", [self._seconds], 1)[0]) > 0:
             self.every_seconds = seconds
         self._acted = {kind: -(-sums[kind] // world) if news[kind] else self._acted[kind] for kind in _KINDS}
-        self._quiet = [float(world * self._acted[kind]) for kind in _KINDS]
         if checkpoint:
             self._last_checkpoint = time.monotonic()
         return Decision(checkpoint=checkpoint, hold=news["hold"], stop=news["exit"], speeds=speeds)

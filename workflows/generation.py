@@ -155,7 +155,7 @@ def start_monitor(book: RunBook) -> Generation:
         sdc_check_steps=spec.sdc.self_check_every,
         checkpoint_steps=checkpoint_steps(status),
         validation=spec.checkpoint.validation,
-        final_step=spec.target_step,
+        final_step=None if any(c.step == spec.target_step for c in status.checkpoints) else spec.target_step,
     )
     input = MonitorInput(
         run_id=status.run_id,
