@@ -111,14 +111,34 @@ class BucketAllReduce:
         self.future.set_result(self.reduced)
 
 
+@dataclass(frozen=True, slots=True)
+class Carrier:
+    """Where a bucket and its rider are all-reduced together, kept from step to step: a fresh tensor
+    and its two views each step cost the step five torch ops, and a torch op costs a step on a shared
+    host some 10 µs of CPU (bench.api). DDP copies each gradient out of `reduced` before the next
+    step's hook writes it again."""
+
+    flat: torch.Tensor
+    reduced: torch.Tensor  # the bucket's part
+    summed: torch.Tensor  # the rider's part
+
+    @classmethod
+    def fitting(cls, gradients: torch.Tensor, rider: torch.Tensor) -> Carrier:
+        flat = torch.empty(gradients.numel() + rider.numel(), dtype=gradients.dtype)
+        reduced, summed = flat.split([gradients.numel(), rider.numel()])
+        return cls(flat, reduced, summed)
+
+
 def bucket_all_reduce(
     bucket: dist.GradBucket,
     world_size: int,
     rider: torch.Tensor | None = None,
     per_tensor: bool = False,
+    carrier: Carrier | None = None,
 ) -> BucketAllReduce:
     """Issue `bucket`'s all-reduce on the default group (DDP's, averaged over its `world_size`), `rider`
-    at its end. `per_tensor`: sum each gradient on its own, in an order that does not depend on the bucket."""
+    at its end, in `carrier` (made to fit the bucket and the rider). `per_tensor`: sum each gradient on
+    its own, in an order that does not depend on the bucket."""
     target, counted = _stalled_or(None)
     if counted:
         _entered(Site.GRADIENTS)
@@ -130,10 +150,11 @@ def bucket_all_reduce(
         summed = rider.clone() if rider is not None else None
         tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
         return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
-    flat = gradients if rider is None else torch.cat([gradients, rider.to(gradients.dtype)])
-    size = gradients.numel()
-    reduced, summed = (flat, None) if rider is None else (flat[:size], flat[size:])
-    return BucketAllReduce(reduced, summed, [_issue([flat], target)])
+    if rider is None:
+        return BucketAllReduce(gradients, None, [_issue([gradients], target)])
+    assert carrier is not None and carrier.reduced.shape == gradients.shape
+    torch.cat([gradients, rider], out=carrier.flat)
+    return BucketAllReduce(carrier.reduced, carrier.summed, [_issue([carrier.flat], target)])
 
 
 def _issue(

@@ -40,6 +40,7 @@ class GradientRoute:
         self._vote_sent = False
         self._first = True  # no gradient of this step has gone to its all-reduce yet
         self._buckets: list[collectives.BucketAllReduce] = []  # this step's, issued and not yet waited for
+        self._carriers: dict[int, collectives.Carrier] = {}  # by bucket index
 
     def begin(self) -> None:
         self.votes, self._vote_sent, self._first = None, False, True
@@ -55,7 +56,8 @@ class GradientRoute:
         rides = not self._vote_sent and bucket.buffer().dtype in EXACT_DTYPES
         self._vote_sent = self._vote_sent or rides
         rider = self.supervision.votes() if rides else None
-        issued = collectives.bucket_all_reduce(bucket, self.supervision.world_size, rider, self.exact_resume)
+        carrier = self._carrier(bucket.index(), bucket.buffer(), rider) if rider is not None else None
+        issued = collectives.bucket_all_reduce(bucket, self.supervision.world_size, rider, self.exact_resume, carrier)
         self._buckets.append(issued)
         if bucket.is_last():
             for pending in self._buckets:
@@ -65,6 +67,13 @@ class GradientRoute:
                 self._reduced(pending.reduced)
             self._buckets.clear()
         return issued.future
+
+    def _carrier(self, index: int, gradients: torch.Tensor, rider: torch.Tensor) -> collectives.Carrier:
+        """The bucket's carrier, made again where DDP has rebuilt its buckets (after the first step)."""
+        carrier = self._carriers.get(index)
+        if carrier is None or carrier.reduced.shape != gradients.shape or carrier.flat.dtype != gradients.dtype:
+            carrier = self._carriers[index] = collectives.Carrier.fitting(gradients, rider)
+        return carrier
 
     def all_reduce(self, params: Iterable[torch.nn.Parameter], average: bool) -> None:
         """Every gradient of `params` in one flat all-reduce, the vote riding at its end."""

@@ -272,7 +272,7 @@ class Run:
 
     def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
         """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
-        value = math.nan if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        value = math.nan if loss is None else loss.item() if isinstance(loss, torch.Tensor) else float(loss)
         self._loss = value if math.isfinite(value) else None
         self._samples = list(samples or [])
 
