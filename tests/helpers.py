@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -47,6 +48,15 @@ TINY_ENTRYPOINT = [
     "--device-ms",
     "15",
 ]
+
+
+@contextlib.contextmanager
+def holding_the_host(lock: Path, alone: bool) -> Iterator[None]:
+    """A share of the host, or all of it (`alone`) once no other worker's test holds a share
+    (tests/conftest.py)."""
+    with lock.open("a") as file:  # closing it releases the lock
+        fcntl.flock(file, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
 
 
 def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
@@ -167,8 +177,11 @@ class RecordCollector:
         while True:
             with contextlib.suppress(Exception):
                 # The status may stall for seconds during a launch: the known nodes are followed
-                # one generation ahead of the newest status, from the run's start on.
-                status = await asyncio.wait_for(handle.query(RunWorkflow.status_query), timeout=5)
+                # one generation ahead of the newest status, from the run's start on. (Not
+                # asyncio.wait_for: on Python 3.11 it can swallow the cancel that stop() sends,
+                # and this loop then outlives its test, polling a server that is gone.)
+                async with asyncio.timeout(5):
+                    status = await handle.query(RunWorkflow.status_query)
                 run_id, generation = status.run_id, status.generation
                 self._known += [n for n in status.nodes if n not in self._known]
             with contextlib.suppress(Exception):
@@ -226,8 +239,10 @@ class RecordCollector:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"a node's stream delivered nothing for {timeout}s")
             await asyncio.sleep(0.05)
-        for task in [self._watch, *(s.task for s in self._streams.values())]:
+        tasks = [self._watch, *(s.task for s in self._streams.values())]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # none outlives its test
         return self.records
 
 

@@ -1,60 +1,20 @@
-"""Failures that do not announce themselves: a hang, a straggler, every rank slow at once. Each is
-told apart from the others and from a crash or a lost node (tests/e2e/test_durability.py)."""
+"""Failures that do not announce themselves: a hang, a straggler (and every rank slow at once, in
+tests/e2e/test_fleet_baseline.py). Each is told apart from the others and from a crash or a lost
+node (tests/e2e/test_durability.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 from temporalio.client import Client, WorkflowHandle
 
-from stayalive.core.detectors import ABSOLUTE_MIN_EXCESS, SMOOTH_STEPS
-from stayalive.core.paging import PagingClass
+from stayalive.core.detectors import SMOOTH_STEPS
 from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import Webhook, start, tiny_spec, wait_for_fleet
-
-# Simulated device time per step makes compute times as steady as a GPU's (see --device-ms): four
-# or eight ranks sharing two cores otherwise jitter by tens of percent. 30 ms makes compute about
-# three quarters of a step, as on a GPU, so a slowdown of compute shows in the step time.
-ENTRYPOINT = [
-    "python",
-    "-m",
-    "stayalive.training.train",
-    "--preset",
-    "tiny",
-    "--global-batch",
-    "8",
-    "--device-ms",
-    "30",
-]
-
-
-# The healthy run and the hot aisle share a configuration no other test runs (its digest covers `env`):
-# the baseline the hot aisle is judged by is the one the healthy run taught, not the step time an
-# earlier test of the same job happened to measure on a differently loaded host.
-HEALTHY_JOB_ENV = {"STAYALIVE_TEST_JOB": "healthy-baseline"}
-
-
-HEALTH: dict[str, object] = {"baseline_windows": 2, "straggler_steps": 20}
-
-
-def detection_spec(root: Path, device_ms: int = 30, health: dict[str, object] = HEALTH, **overrides: object) -> RunSpec:
-    return tiny_spec(
-        root,
-        entrypoint=[*ENTRYPOINT[:-1], str(device_ms)],
-        checkpoint={"root": str(root), "interval": "50 steps"},
-        health=health,
-        **overrides,
-    )
-
+from tests.e2e.detection_runs import HEALTH, detection_spec
+from tests.helpers import start, wait_for_fleet
 
 # A hang at step 60 resumes from the checkpoint of step 50: 50 steps more make the run complete.
 HANG_TARGET = 100
@@ -160,59 +120,3 @@ async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
     assert 40 + 20 - 1 <= found.step <= 40 + 20 + SMOOTH_STEPS, "flagged within k steps"
     assert found.ratio is not None and 1.1 < found.ratio < 1.35
     await wait_for_fleet(client, lambda nodes: nodes["n1"].note.startswith("straggler"))
-
-
-@pytest.fixture(scope="module")
-async def healthy_run(client: Client, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RunSpec]:
-    """2,000 healthy steps: nothing may be flagged (no straggler, slowdown, skipped update or failed
-    SDC check), and the fleet learns this configuration's step time."""
-    spec = detection_spec(tmp_path_factory.mktemp("healthy"), target_step=2000, env=HEALTHY_JOB_ENV)
-    handle = await start(client, spec, "healthy")
-    result = await handle.result()
-    assert result.state == RunState.COMPLETED
-    assert result.interruptions == []
-    assert await handle.query(RunWorkflow.detections) == [], "a healthy run flags nothing"
-    status = await handle.query(RunWorkflow.status_query)
-    assert status.verified_step == 2000, "all SDC checks on (20 self, 2 cross) passed"
-    assert all(c.verified for c in status.checkpoints if c.validated)
-    yield spec
-
-
-async def test_a_healthy_run_flags_nothing_and_teaches_the_fleet(client: Client, healthy_run: RunSpec) -> None:
-    fleet = fleet_handle(client)
-    baseline = await fleet.query(FleetWorkflow.baseline, healthy_run.config_digest)
-    assert baseline is not None and len(baseline.step_seconds) >= 30
-
-
-async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
-    client: Client, healthy_run: RunSpec, checkpoint_root: Path, webhook: Webhook
-) -> None:
-    faults = [
-        {"kind": "slowdown", "factor": 1.5, "from_step": 150},
-        {"kind": "thermal", "rack": "rack-a"},  # the aisle of n1 and n2 runs hot
-    ]
-    spec = detection_spec(
-        checkpoint_root, target_step=400, faults=faults, paging={"webhook": webhook.url}, env=HEALTHY_JOB_ENV
-    )
-    assert spec.config_digest == healthy_run.config_digest
-    handle = await start(client, spec, "hot-aisle")
-    result = await handle.result()
-    assert result.state == RunState.COMPLETED
-    assert result.interruptions == [], "nobody evicted"
-    detections = await handle.query(RunWorkflow.detections)
-    assert [d.kind for d in detections] == ["slowdown"], "the relative check sees nothing: every rank is slow alike"
-    (slowdown,) = detections
-    assert slowdown.diagnosis == "environmental"
-    assert slowdown.paging is not None and slowdown.paging.paging == PagingClass.CORRELATED
-    # Compute is 1.5× slower and the all-reduce is not: the step time lands in between, above the
-    # detector's own floor. (At 1.3× two cores' jitter moved it down to that floor: 1.14 was seen in
-    # CI, and twice no slowdown at all.)
-    assert slowdown.ratio is not None and 1 + ABSOLUTE_MIN_EXCESS < slowdown.ratio < 1.55
-    assert (await handle.query(RunWorkflow.status_query)).nodes == ["n1", "n2"]
-    # The page for facilities reached the webhook (an activity of its own, retried, never awaited).
-    deadline = time.monotonic() + 30
-    while not webhook.received and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    (page,) = [json.loads(body) for _, body in webhook.received]
-    assert (page["paging"], page["rule"]) == ("correlated", "environmental slowdown")
-    assert page["action"].startswith("page facilities") and "rack" in page["evidence"]

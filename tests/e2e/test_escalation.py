@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import pytest
 from temporalio.client import Client
 
 from stayalive.core.escalation import Strategy, rebalance
@@ -38,6 +39,7 @@ def steps_per_second(finished: dict[int, float], first: int, last: int) -> float
     return 1 / statistics.median(finished[s] - finished[s - 1] for s in range(first + 1, last + 1))
 
 
+@pytest.mark.alone  # a throughput, before, during and after
 async def test_a_rank_slowed_1_5x_is_rebalanced_and_most_of_the_lost_throughput_returns(
     client: Client, checkpoint_root: Path
 ) -> None:
