@@ -16,6 +16,7 @@ import torch
 from stayalive.training import validate
 from stayalive.training.checkpoint import CheckpointError
 from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, read_dcp_manifest
+from stayalive.workers.devstack import free_port
 from tests.helpers import ROOT
 
 LOOP = "tests/training/api_loop.py"
@@ -48,7 +49,9 @@ def launch(
             "STAYALIVE_CHECKPOINT_EVERY_STEPS": "5",
             "STAYALIVE_RESUME_FROM": str(resume or ""),
         }
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), LOOP, "--out", str(out)]
+    # A port of its own: torchrun's default (29500) is shared with the other test worker's torchrun.
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port"]
+    argv += [str(free_port()), LOOP, "--out", str(out)]
     done = subprocess.run([*argv, *flags], env=env, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)[-6000:]
     return torch.load(out, weights_only=True)
