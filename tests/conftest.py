@@ -42,10 +42,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     to the end. Within a file, the collection's order."""
     alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
 
-    def queue_place(item: pytest.Item) -> tuple[bool, bool, int]:
-        folder = item.path.parent.name
-        place = HEAVY_FIRST.index(folder) if folder in HEAVY_FIRST else -1
-        return item.path not in alone, heavy(item), place
+    def queue_place(item: pytest.Item) -> tuple[bool, int]:
+        folder = item.path.parent.name  # a light one (-1) before every heavy one
+        return item.path not in alone, HEAVY_FIRST.index(folder) if heavy(item) else -1
 
     items.sort(key=queue_place)  # stable
 

@@ -56,7 +56,10 @@ class GradientRoute:
         rides = not self._vote_sent and bucket.buffer().dtype in EXACT_DTYPES
         self._vote_sent = self._vote_sent or rides
         rider = self.supervision.votes() if rides else None
-        carrier = self._carrier(bucket.index(), bucket.buffer(), rider) if rider is not None else None
+        # Summed per tensor (exact_resume), the rider goes alone: no carrier.
+        carrier = None
+        if rider is not None and not self.exact_resume:
+            carrier = self._carrier(bucket.index(), bucket.buffer(), rider)
         issued = collectives.bucket_all_reduce(bucket, self.supervision.world_size, rider, self.exact_resume, carrier)
         self._buckets.append(issued)
         if bucket.is_last():
