@@ -52,18 +52,19 @@ def newest_checkpoint(directory: Path) -> Path | None:
 
 
 def instrument(restart: int) -> None:
-    """Record this attempt's first step where the trainer's `Run` reports it, without changing what it sends."""
-    report = Run._report
+    """Record this attempt's first step where the trainer's `Run` sends it, without changing what it sends."""
+    send = Run._send
     first = True
 
-    def reporting(self: Run, message: Any) -> None:
+    def sending(self: Run, messages: list[Any]) -> None:
         nonlocal first
-        if first and isinstance(message, StepReport):
+        report = next((m for m in messages if isinstance(m, StepReport)), None)
+        if first and report is not None:
             first = False
-            record("step", restart=restart, rank=message.rank, step=message.step, at=message.at)
-        report(self, message)
+            record("step", restart=restart, rank=report.rank, step=report.step, at=report.at)
+        send(self, messages)
 
-    Run._report = reporting  # type: ignore[method-assign]
+    Run._send = sending  # type: ignore[method-assign]
 
 
 def main() -> None:

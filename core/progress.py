@@ -23,7 +23,9 @@ from stayalive.core.run import Progress
 from stayalive.core.telemetry import NodeSteps, StepReport, steps_frame
 
 _WINDOW = 50  # steps over which rates and step-time percentiles are taken
-LAG = 4  # a step still missing reports is given up on once a report this many steps newer arrives
+# A step still missing reports is given up on once a report this many steps newer arrives: twice what
+# a rank holds back before it sends (training/step_reports.py), so a healthy rank's step is never late.
+LAG = 8
 
 # ── node agent: its ranks' reports → one NodeSteps per step ─────────────────────────────────────────
 

@@ -33,7 +33,7 @@ class AgentChannel:
     def __init__(self, address: str, hello: BaseModel, token: str) -> None:
         self._sock, self._lines = connect_hub(address, hello, token, timeout=10)
         self._sock.settimeout(None)
-        self._inbox: queue.Queue[ToRank] = queue.Queue()
+        self._inbox: queue.SimpleQueue[ToRank] = queue.SimpleQueue()
         self.dropped = 0
         # What the socket did not take yet, in order; senders append behind it while it is not empty.
         self._backlog: collections.deque[bytes] = collections.deque()
@@ -46,25 +46,26 @@ class AgentChannel:
         self._reader.start()
         atexit.register(self.close)  # a rank that exits (sys.exit too) sends what is pending first
 
-    def send(self, message: BaseModel) -> None:
-        line = message.model_dump_json().encode() + b"\n"
+    def send(self, *messages: BaseModel) -> None:
+        """Send `messages` in order, in one write where the socket takes them."""
+        lines = b"".join(message.model_dump_json().encode() + b"\n" for message in messages)
         with self._queued:
             if self._closing:
                 return
             if not (self._backlog or self._flushing):
                 try:
-                    sent = self._sock.send(line, socket.MSG_DONTWAIT)
+                    sent = self._sock.send(lines, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     sent = 0
                 except OSError:
                     return  # the agent is gone: the writer thread has said so, or the reader will
-                if sent == len(line):
+                if sent == len(lines):
                     return
-                line = line[sent:]
+                lines = lines[sent:]
             if len(self._backlog) >= PENDING_MAX:
                 self.dropped += 1  # telemetry is best-effort; a step is never held up for it
                 return
-            self._backlog.append(line)
+            self._backlog.append(lines)
             self._queued.notify()
 
     def received(self) -> list[ToRank]:

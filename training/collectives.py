@@ -16,6 +16,7 @@ its collectives from the first.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -121,12 +122,13 @@ class Carrier:
     flat: torch.Tensor
     reduced: torch.Tensor  # the bucket's part
     summed: torch.Tensor  # the rider's part
+    rider_last: torch.Tensor  # the rider's last value (a slot the caller fills after the all-reduce)
 
     @classmethod
     def fitting(cls, gradients: torch.Tensor, rider: torch.Tensor) -> Carrier:
         flat = torch.empty(gradients.numel() + rider.numel(), dtype=gradients.dtype)
         reduced, summed = flat.split([gradients.numel(), rider.numel()])
-        return cls(flat, reduced, summed)
+        return cls(flat, reduced, summed, summed[-1])
 
 
 def bucket_all_reduce(
@@ -152,7 +154,7 @@ def bucket_all_reduce(
         return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
     if rider is None:
         return BucketAllReduce(gradients, None, [_issue([gradients], target)])
-    assert carrier is not None and carrier.reduced.shape == gradients.shape
+    assert carrier is not None
     torch.cat([gradients, rider], out=carrier.flat)
     return BucketAllReduce(carrier.reduced, carrier.summed, [_issue([carrier.flat], target)])
 
@@ -162,11 +164,16 @@ def _issue(
 ) -> dist.Work:
     """The process group's own all-reduce, as DDP's C++ hook calls it: dist.all_reduce's checks and
     logging cost a rank on a shared host 40 µs of CPU a call, a fifth of what the API adds to a step."""
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp(op)
     target = group or dist.group.WORLD
     assert target is not None
-    return target.allreduce(tensors, options)
+    return target.allreduce(tensors, _options(op))
+
+
+@functools.cache
+def _options(op: dist.ReduceOp.RedOpType) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(op)
+    return options
 
 
 def _stalled_or(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:

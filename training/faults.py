@@ -47,6 +47,7 @@ class FaultInjector:
         self.rank = rank
         planned = [f for f in faults if f.fires_in(generation)]
         self.faults = [f for f in planned if getattr(f, "rank", rank) == rank]
+        self.corrupts_gradients = any(isinstance(f, BitFlip | FlakyRank | GradSpike | NanLoss) for f in self.faults)
         self._hooks: list[RemovableHandle] = []
         self._storage_faults_fired: set[int] = set()  # the steps whose storage fault began: a retry is no new fault
         self._full_until = 0.0  # monotonic: until then every write to storage fails with ENOSPC
@@ -72,10 +73,6 @@ class FaultInjector:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-    @property
-    def corrupts_gradients(self) -> bool:
-        return any(isinstance(f, BitFlip | FlakyRank | GradSpike | NanLoss) for f in self.faults)
 
     def after_backward(self, step: int, grads: list[torch.Tensor]) -> None:
         """Corrupt this step's gradient as a faulty GPU would (not its replays: a transient fault)."""

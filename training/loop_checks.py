@@ -71,8 +71,13 @@ class LoopChecks:
         self.replay_of: Callable[[int], object] | None = None  # any rank's
         self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
         self.passed_through = False  # this step's gradient came through the API before its all-reduce
-        self.bucket_norms: list[torch.Tensor] = []  # of the all-reduced gradient, bucket by bucket
-        self.local_sums: list[torch.Tensor] = []  # of this rank's own, bucket by bucket: NaN or inf if it was
+        self.keeps_own = False  # this step's own gradient is kept: a recomputation check is due
+        # This rank's own gradient, bucket by bucket, as it entered the all-reduce: the bucket itself where
+        # DDP leaves it as it was until the update (it took the result from elsewhere), else its sum.
+        self.local: list[torch.Tensor] = []
+        self.buckets_stay_local = self.ddp is not None and not self.ddp.gradient_as_bucket_view
+        # The all-reduced gradient's norm, read (set by the route, which reads it with the step's vote).
+        self.gradient_norm: Callable[[], float | None] = lambda: None
         self._hook = optimizer.register_step_pre_hook(self._before_update) if self.enabled else None
 
     def close(self) -> None:
@@ -90,10 +95,10 @@ class LoopChecks:
 
     def begin(self, step: int) -> None:
         self.step, self.replay, self.replay_of, self.passed_through = step, None, None, False
+        self.keeps_own = self.enabled and (self.guard.self_check_due(step) or self.guard.cross_check_due(step))
         self.updating = True
         self.own.clear()
-        self.bucket_norms.clear()
-        self.local_sums.clear()
+        self.local.clear()
 
     def before_all_reduce(
         self,
@@ -106,21 +111,24 @@ class LoopChecks:
         self.passed_through = True
         if first and self.faults.corrupts_gradients:
             self.faults.after_backward(self.step, list(gradients()))
-        due = self.guard.self_check_due(self.step) or self.guard.cross_check_due(self.step)
-        if self.enabled and due:
+        if self.keeps_own:
             self.own |= {p: g.clone() for p, g in zip(parameters(), gradients(), strict=True)}
 
-    def entering(self, local: torch.Tensor) -> None:
-        """The bucket (or flat gradient) as it enters the all-reduce: its sum, which only a NaN or inf
-        makes non-finite, names the rank whose numbers went non-finite should the reduced ones be."""
+    def entering(self, local: torch.Tensor, kept: bool = False) -> None:
+        """The bucket (or flat gradient) as it enters the all-reduce, to name the rank whose numbers went
+        non-finite should the reduced ones be: the bucket itself where it stays as it is (`kept`, and
+        DDP does not make gradients views of it), looked at only then; else its sum, which only a NaN
+        or inf makes non-finite."""
         if self.enabled:
-            self.local_sums.append(local.sum())
+            self.local.append(local if kept and self.buckets_stay_local else local.sum())
 
-    def after_all_reduce(self, reduced: torch.Tensor) -> None:
-        """A bucket's all-reduced gradient: its norm, taken while it is one contiguous tensor (one
-        kernel; the gradients one by one cost ten times as much on the tiny GPT)."""
-        if self.enabled:
-            self.bucket_norms.append(torch.linalg.vector_norm(reduced))
+    def after_all_reduce(self, reduced: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's all-reduced buckets: their norm (into `out`, where given), taken while each is one
+        contiguous tensor (one kernel; the gradients one by one cost ten times as much on the tiny GPT)."""
+        if not self.enabled:
+            return None
+        norms = reduced[0] if len(reduced) == 1 else torch.stack([torch.linalg.vector_norm(r) for r in reduced])
+        return torch.linalg.vector_norm(norms, out=out)
 
     # -- before the update (the optimizer's step pre-hook) --------------------------------------------
 
@@ -188,10 +196,8 @@ class LoopChecks:
                 (torch.linalg.vector_norm(s.double()) ** 2 for s in shards), torch.zeros((), dtype=torch.float64)
             )
             norm = math.sqrt(float(self.ride(squares.reshape(1))[0]))
-        elif len(self.bucket_norms) == 1:
-            norm = float(self.bucket_norms[0])
-        elif self.bucket_norms:
-            norm = float(torch.linalg.vector_norm(torch.stack(self.bucket_norms)))
+        elif (reduced := self.gradient_norm()) is not None:
+            norm = reduced
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -205,9 +211,9 @@ class LoopChecks:
 
     def _went_nonfinite(self) -> bool | None:
         """Whether this rank's own gradient was non-finite (None: it never passed through the API)."""
-        if not self.local_sums:
+        if not self.local:
             return None
-        return not bool(torch.isfinite(torch.stack(self.local_sums)).all())
+        return not all(bool(torch.isfinite(local).all()) for local in self.local)
 
     def _replay_of(self, rank: int) -> None:
         """Rank `rank`'s micro-batch of this step into fresh gradients, without the all-reduce."""

@@ -36,7 +36,6 @@ under plain torchrun.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -51,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stayalive.core.hangs import Site
 from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
-from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StepReport, StorageUnavailable
+from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StorageUnavailable
 from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, within_root
@@ -63,6 +62,7 @@ from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.loop_state import LoopState, Stateful
 from stayalive.training.state_checkpointer import open_checkpoints
 from stayalive.training.state_restore import agreed_checkpoint, restore_state
+from stayalive.training.step_reports import StepReports
 from stayalive.training.supervision import Supervision, SupervisionConfig
 
 log = structlog.get_logger()
@@ -97,7 +97,8 @@ class Run:
         per_rank: dict[str, Stateful] = {"dataloader": dataloader} if dataloader is not None else {}
         self.state = LoopState(model, optimizer, shared=dict(state or {}), per_rank=per_rank)
         self.step = 0  # the last step completed (or restored)
-        self._loss: float | None = None
+        self._logged_step: int | str = "-"  # what this rank's log lines say its step is
+        self._loss: float | torch.Tensor | None = None
         self._samples: list[int] = []
         self._started = 0.0
         self._compute_s: float | None = None
@@ -131,7 +132,8 @@ class Run:
         self.target_step = config.target_step
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.speeds = None  # a rebalance is for the generation that asked for it
-        configure_logging(run_id=config.run_id, node=os.environ.get("STAYALIVE_NODE", "-"), rank=self.rank)
+        node = os.environ.get("STAYALIVE_NODE", "-")
+        configure_logging(step=lambda: self._logged_step, run_id=config.run_id, node=node, rank=self.rank)
         collectives.begin(config.generation)
         hello = Hello(run_id=config.run_id, rank=self.rank, generation=config.generation, pid=os.getpid())
         if self.channel is not None:
@@ -142,6 +144,7 @@ class Run:
         # the command vote on the training thread, DCP's planning on the checkpoint writer's.
         self.control = dist.new_group(backend="gloo")
         checkpoint_group = dist.new_group(backend="gloo")
+        self.reports = StepReports(self.rank, config.generation, self._send)
         self.faults = FaultInjector(config.faults, self.rank, config.generation, self.world_size)
         self.supervision = Supervision(config, self.rank, self.world_size, self.channel, group=self.control)
         self.faults.attach(self.model)
@@ -161,7 +164,7 @@ class Run:
             self.supervision, self.checks, self.exact_resume, self._before_collectives, self.control
         )
         if self.checks is not None:
-            self.checks.ride = route.ride
+            self.checks.ride, self.checks.gradient_norm = route.ride, route.gradient_norm
         resume = agreed_checkpoint(config.resume_from, self.rank, self.world_size, self.control)
         self.checkpointer, tier = open_checkpoints(
             config,
@@ -213,7 +216,7 @@ class Run:
     def begin_step(self) -> int:
         """A step begins (the one after `self.step`); its number."""
         step = self.step + 1
-        structlog.contextvars.bind_contextvars(step=step)
+        self._logged_step = step
         collectives.at_step(step)
         if self.checks is not None:
             self.checks.begin(step)
@@ -232,28 +235,19 @@ class Run:
             return step < self.target_step
         assert self.route is not None
         compute_s = self._before_collectives()
-        votes = self.route.votes
+        votes = self.route.summed_votes()
         if votes is None:  # no gradient all-reduce carried it (FSDP2, the loop's own): a small all-reduce
-            votes = self.supervision.votes().clone()
-            collectives.all_reduce(votes, Site.CONTROL, group=self.control)
+            summed = self.supervision.votes().clone()
+            collectives.all_reduce(summed, Site.CONTROL, group=self.control)
+            votes = summed.tolist()
         decision = self.supervision.decide(step, votes)
         self.step = step
-        self._report(
-            StepReport(
-                rank=self.rank,
-                generation=self.config.generation,
-                step=step,
-                compute_s=compute_s,
-                step_s=time.perf_counter() - self._started,
-                loss=self._loss,
-                samples=self._samples,
-                at=time.time(),
-            )
-        )
+        self.reports.add(step, compute_s, time.perf_counter() - self._started, self._loss, self._samples)
         if decision.speeds is not None:  # a loop that can split its batch unevenly reads them
             self.speeds = decision.speeds
             log.info("rebalance asked for: run.speeds", speeds=[round(s, 3) for s in decision.speeds])
         if decision.checkpoint:
+            self.reports.flush()  # the agent hears of the step before its checkpoint commits
             self.checkpointer.save(step, self.state.state(self.rank), self._last_verified())
         if decision.hold:
             self._hold()
@@ -271,9 +265,11 @@ class Run:
             self.channel.close()
 
     def record(self, loss: float | torch.Tensor | None = None, samples: list[int] | None = None) -> None:
-        """This step's loss (this rank's), and the indices of the samples it trained on, if known."""
-        value = math.nan if loss is None else loss.item() if isinstance(loss, torch.Tensor) else float(loss)
-        self._loss = value if math.isfinite(value) else None
+        """This step's loss (this rank's), and the indices of the samples it trained on, if known. A
+        tensor is read when the step's report is sent, with others (training/step_reports.py)."""
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(f"record(loss): one number, this rank's loss; got a tensor of shape {tuple(loss.shape)}")
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) and loss.requires_grad else loss
         self._samples = list(samples or [])
 
     def checkpoint(self) -> float:
@@ -379,24 +375,31 @@ class Run:
     # -- reports -------------------------------------------------------------------------------------
 
     def _report(self, message: Any) -> None:
+        """From the training thread: after the steps it has not reported yet."""
+        self.reports.flush()
+        self._send([message])
+
+    def _send(self, messages: list[Any]) -> None:
         if self.channel is not None:
-            self.channel.send(message)
+            self.channel.send(*messages)
 
     def _committed(self, manifest: DcpManifest, path: Path) -> None:
         assert self.config is not None
-        self._report(
-            CheckpointCommitted(
-                rank=self.rank,
-                generation=self.config.generation,
-                step=manifest.step,
-                path=str(path),
-                blocking_s=manifest.blocking_s,
-                last_verified_step=manifest.last_verified_step,
-                at=time.time(),
-            )
+        self._send(  # from the checkpoint writer's thread
+            [
+                CheckpointCommitted(
+                    rank=self.rank,
+                    generation=self.config.generation,
+                    step=manifest.step,
+                    path=str(path),
+                    blocking_s=manifest.blocking_s,
+                    last_verified_step=manifest.last_verified_step,
+                    at=time.time(),
+                )
+            ]
         )
 
     def _outage(self, step: int, since: float, error: OSError) -> None:
         assert self.config is not None
         generation, why = self.config.generation, str(error)
-        self._report(StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why))
+        self._send([StorageUnavailable(rank=self.rank, generation=generation, step=step, since=since, error=why)])

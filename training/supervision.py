@@ -92,6 +92,9 @@ class Decision:
     speeds: list[float] | None = None  # rebalance from the next step on, by these relative speeds
 
 
+NOTHING = Decision(checkpoint=False, hold=False, stop=False)
+
+
 class Supervision:
     """One generation's view: this rank, this group, the agent's channel (which outlives generations)."""
 
@@ -116,29 +119,30 @@ class Supervision:
         self.every_seconds = config.every_seconds  # the checkpoint interval in force (an `interval` command moves it)
         self._speeds: list[float] = []  # of the newest rebalance command received
         self._seconds = 0.0  # of the newest interval command received
-        self._vote: list[float] = []
-        self._vote_tensor = torch.zeros(VOTES)
+        self._due_by_time = False
+        self._vote = torch.zeros(VOTES)
+        self._settled = [0.0] * len(_KINDS)  # summed counts that hold no news: most steps' again
 
     def votes(self) -> torch.Tensor:
         """This rank's vote, to ride the gradient all-reduce (SUM): how many commands of each kind it has
         received, and whether its checkpoint clock is due. Riding it costs no collective."""
-        if self.channel is not None:
-            for message in self.channel.received():
-                if isinstance(message, Command) and message.seq not in self._seqs:
-                    self._seqs.add(message.seq)
-                    self._seen[message.kind] += 1
-                    if message.kind == "rebalance":
-                        self._speeds = message.speeds
-                    elif message.kind == "interval" and message.seconds is not None:
-                        self._seconds = message.seconds
+        received = self.channel.received() if self.channel is not None else []
+        for message in received:
+            if isinstance(message, Command) and message.seq not in self._seqs:
+                self._seqs.add(message.seq)
+                self._seen[message.kind] += 1
+                if message.kind == "rebalance":
+                    self._speeds = message.speeds
+                elif message.kind == "interval" and message.seconds is not None:
+                    self._seconds = message.seconds
         every = self.every_seconds
         due_by_time = every is not None and time.monotonic() - self._last_checkpoint >= every
-        vote = [*(float(self._seen[k]) for k in _KINDS), float(due_by_time)]
-        if vote != self._vote:  # the same vote as last step, most steps: its tensor is reused
-            self._vote, self._vote_tensor = vote, torch.tensor(vote)
-        return self._vote_tensor
+        if received or due_by_time != self._due_by_time:  # most steps the vote is last step's: reused
+            self._due_by_time = due_by_time
+            self._vote = torch.tensor([*(float(self._seen[k]) for k in _KINDS), float(due_by_time)])
+        return self._vote
 
-    def decide(self, step: int, votes: torch.Tensor) -> Decision:
+    def decide(self, step: int, votes: list[float]) -> Decision:
         """After `step`, from every rank's `votes` summed: checkpoint now, hold, stop, rebalance.
 
         Commands reach ranks at different times, so a kind has news when its summed counts exceed
@@ -147,8 +151,10 @@ class Supervision:
         largest count): the same command seen later by the others is not news again, a newer one is,
         and no command is acted on more often than commands were sent."""
         world, every_steps = self.world_size, self.config.every_steps
-        *counts, due_by_time = votes.tolist()
+        *counts, due_by_time = votes
         scheduled = (every_steps is not None and step % every_steps == 0) or step == self.config.target_step
+        if counts == self._settled and not (due_by_time or scheduled):
+            return NOTHING  # most steps
         sums = {kind: round(count) for kind, count in zip(_KINDS, counts, strict=True)}
         news = {kind: sums[kind] > world * self._acted[kind] for kind in _KINDS}
         checkpoint = news["hold"] or news["checkpoint"] or due_by_time > 0 or scheduled
@@ -156,6 +162,7 @@ class Supervision:
         if news["interval"] and (seconds := self._agree_on_newest("interval", [self._seconds], 1)[0]) > 0:
             self.every_seconds = seconds
         self._acted = {kind: -(-sums[kind] // world) if news[kind] else self._acted[kind] for kind in _KINDS}
+        self._settled = counts  # with `acted` as it is now, these counts hold no news
         if checkpoint:
             self._last_checkpoint = time.monotonic()
         return Decision(checkpoint=checkpoint, hold=news["hold"], stop=news["exit"], speeds=speeds)

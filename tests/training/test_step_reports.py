@@ -1,0 +1,91 @@
+"""A rank's step reports go to its agent a batch at a time, each step's figures as they were, the
+losses read in one copy; the first step of a generation and whatever precedes another report go at
+once (training/step_reports.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import stayalive
+from stayalive.core.progress import LAG
+from stayalive.core.telemetry import StepReport
+from stayalive.training import step_reports
+from stayalive.training.step_reports import StepReports
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(step_reports.time, "perf_counter", clock)
+    return clock
+
+
+def test_steps_go_a_batch_at_a_time_in_order_with_their_own_figures(clock: Clock) -> None:
+    batches: list[list[StepReport]] = []
+    reports = StepReports(rank=3, generation=2, send=batches.append)
+    reports.add(1, 0.010, 0.020, torch.tensor(2.5), [7, 8])
+    assert [[r.step for r in b] for b in batches] == [[1]], "a generation's first step goes at once"
+    for step in range(2, 9):
+        clock.now += 0.01
+        reports.add(step, 0.011, 0.021, torch.tensor(float(step)), [step])
+    # Cut by step number, as every rank cuts them: each step reaches the agent with the other ranks'.
+    assert [[r.step for r in b] for b in batches] == [[1], [2, 3, 4], [5, 6, 7, 8]]
+    sent = batches[1]
+    assert [r.loss for r in sent] == [2.0, 3.0, 4.0]
+    assert [r.samples for r in sent] == [[2], [3], [4]]
+    assert {(r.rank, r.generation) for r in sent} == {(3, 2)}
+    assert sent[-1].compute_s == 0.011 and sent[-1].step_s == 0.021
+    assert [r.at for r in sent] == sorted(r.at for r in sent)
+
+
+def test_a_slow_step_goes_once_report_every_s_has_passed(clock: Clock) -> None:
+    batches: list[list[StepReport]] = []
+    reports = StepReports(rank=0, generation=0, send=batches.append)
+    reports.add(1, 0.01, 0.02, 1.0, [])
+    clock.now += step_reports.REPORT_EVERY_S / 2
+    reports.add(2, 0.01, 0.02, 2.0, [])
+    clock.now += step_reports.REPORT_EVERY_S / 2
+    reports.add(3, 0.01, 0.02, 3.0, [])
+    assert [[r.step for r in b] for b in batches] == [[1], [2, 3]]
+
+
+def test_no_rank_holds_back_a_step_its_agent_gives_up_on() -> None:
+    assert 2 * step_reports.REPORT_EVERY_STEPS <= LAG
+
+
+def test_a_flush_sends_what_is_kept_and_a_non_finite_loss_goes_as_none(clock: Clock) -> None:
+    batches: list[list[StepReport]] = []
+    reports = StepReports(rank=0, generation=0, send=batches.append)
+    reports.add(1, 0.01, 0.02, None, [])
+    reports.add(2, 0.01, 0.02, torch.tensor(math.nan), [])
+    reports.add(3, 0.01, 0.02, math.inf, [])
+    reports.flush()
+    reports.flush()  # nothing kept: nothing sent
+    assert [[(r.step, r.loss) for r in b] for b in batches] == [[(1, None)], [(2, None), (3, None)]]
+
+
+def test_a_flush_with_nothing_kept_leaves_the_next_first_step_immediate(clock: Clock) -> None:
+    batches: list[list[StepReport]] = []
+    reports = StepReports(rank=0, generation=1, send=batches.append)
+    reports.flush()  # as a resumed rank's report before its first step does
+    reports.add(11, 0.01, 0.02, 1.0, [])
+    assert [[r.step for r in b] for b in batches] == [[11]]
+
+
+def test_record_refuses_a_loss_that_is_not_one_number() -> None:
+    run = stayalive.Run(torch.nn.Linear(2, 1), target_step=1)
+    with pytest.raises(ValueError, match=r"one number.*shape \(4,\)"):
+        run.record(torch.ones(4))
+    run.record(torch.ones(1, requires_grad=True) * 2)  # one number, still in its graph: kept detached
+    assert isinstance(run._loss, torch.Tensor) and not run._loss.requires_grad
