@@ -278,15 +278,18 @@ def step_timeout(
     warm: bool = False,
 ) -> float:
     """How long a run may go without completing a step before it counts as hung: the configured
-    seconds (HealthSpec.step_timeout), or with "auto" 3 × p99 of the observed step times, at least
-    `floor_s`. While fewer than MIN_STEP_SAMPLES steps have been seen, and the run knows its step
-    time (`known_step_s`, from before this generation): 3 × the slower of that and the steps seen
-    after the generation's first; `startup_s` until the first is done. `warm`: it was done before this
+    seconds (HealthSpec.step_timeout; at least `startup_s` until the generation's first step is
+    done), or with "auto" 3 × p99 of the observed step times, at least `floor_s`. While fewer than
+    MIN_STEP_SAMPLES steps have been seen, and the run knows its step time (`known_step_s`, from
+    before this generation): 3 × the slower of that and the steps seen after the generation's first;
+    `startup_s` until the first is done. `warm`: it was done before this
     watch began (a monitor taking over a running generation), and every step seen counts."""
-    if configured != "auto":
-        return float(configured)
     seconds = np.asarray(observed_step_seconds, dtype=np.float64)
     seconds = seconds[~np.isnan(seconds)]
+    if configured != "auto":
+        # A step timeout is a step's: a generation's first step also imports, rendezvouses, loads a
+        # checkpoint and warms caches, which on a loaded host took a 0.2 s-step example 12 s.
+        return max(float(configured), startup_s) if seconds.size == 0 and not warm else float(configured)
     if seconds.size >= MIN_STEP_SAMPLES:
         return max(floor_s, HANG_FACTOR * float(np.percentile(seconds, 99)))
     if known_step_s is None or (seconds.size == 0 and not warm):
@@ -313,9 +316,11 @@ class HangWatchdog:
         history: int = 1000,
         known_step_s: float | None = None,
         warm: bool = False,
+        startup_s: float = HANG_STARTUP_S,
     ) -> None:
         self.configured = configured
         self.floor_s = floor_s
+        self.startup_s = startup_s
         self.known_step_s = known_step_s
         self.warm = warm
         self._seconds = np.full(history, np.nan)
@@ -337,7 +342,12 @@ class HangWatchdog:
     @property
     def timeout(self) -> float:
         return step_timeout(
-            self._seconds, self.floor_s, self.configured, known_step_s=self.known_step_s, warm=self.warm
+            self._seconds,
+            self.floor_s,
+            self.configured,
+            startup_s=self.startup_s,
+            known_step_s=self.known_step_s,
+            warm=self.warm,
         )
 
     def overdue(self, now: float) -> bool:

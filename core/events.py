@@ -9,6 +9,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field
 
+from stayalive.core.detectors import HANG_STARTUP_S
 from stayalive.core.diagnosis import Verdict
 from stayalive.core.paging import Classification
 from stayalive.core.run import CheckpointRecord, Outage, Progress
@@ -50,6 +51,7 @@ class MonitorInput(BaseModel):
     exit_grace: float = 30.0  # the others' time to exit once a rank has finished (HealthSpec.exit_grace)
     # Detection: the progress watchdog, the straggler checks, and what is already known (not re-reported).
     step_timeout: float | None = None  # None: auto, 3 × p99 of step times with a floor
+    startup_timeout: float = HANG_STARTUP_S  # until the generation's first step (HealthSpec.startup_timeout)
     known_step_s: float | None = None  # the run's slowest recent step before this generation (auto's warm-up)
     straggler_sigma: float = 3.0
     straggler_steps: int = 20

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
+from stayalive.core.detectors import HANG_STARTUP_S
 from stayalive.core.faults import Fault
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
@@ -158,6 +159,9 @@ MONITOR_HANDOVER_S = 15.0
 
 class HealthSpec(_Spec):
     step_timeout: Literal["auto"] | Seconds = "auto"  # auto: 3 × p99 of the step time, at least 10 s
+    # How long a generation may take to its first step (imports, rendezvous, a checkpoint's load,
+    # compilation, cold caches) before it counts as hung; the step timeout holds from then on.
+    startup_timeout: Seconds = HANG_STARTUP_S
     straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (seed 003 §7)
     straggler_steps: int = Field(default=20, ge=1)  # ... for this many consecutive steps
     baseline_windows: int = Field(default=10, ge=1)  # healthy 50-step windows reported to the fleet at a time

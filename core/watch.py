@@ -72,7 +72,9 @@ class GenerationWatch:
         # Not awaiting its first step: the generation was past it when this watch began (a monitor
         # taking over, a re-attach after continue-as-new), so no warm-up allowance is due.
         warm = input.hooks and not input.await_first_step
-        self.watchdog = HangWatchdog(input.step_timeout or "auto", known_step_s=input.known_step_s, warm=warm)
+        self.watchdog = HangWatchdog(
+            input.step_timeout or "auto", known_step_s=input.known_step_s, warm=warm, startup_s=input.startup_timeout
+        )
         self.watchdog.last_progress_at = wall  # the clock runs from the monitor's start
         self.heard = dict.fromkeys(input.nodes, now)  # node → when its agent last said anything
         self.gpus: dict[str, list[GpuHealth]] = {}

@@ -168,6 +168,7 @@ def start_monitor(book: RunBook) -> Generation:
         node_silence=health.node_heartbeat_timeout,
         exit_grace=health.exit_grace,
         step_timeout=None if health.step_timeout == "auto" else health.step_timeout,
+        startup_timeout=health.startup_timeout,
         known_step_s=status.progress.step_seconds_max or None,
         straggler_sigma=health.straggler_sigma,
         straggler_steps=health.straggler_steps,

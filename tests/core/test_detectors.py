@@ -238,6 +238,11 @@ def test_window_medians_ignore_a_trailing_partial_window_and_nans() -> None:
         ([0.05] * 200, "auto", 10.0),  # the floor: 3 × 50 ms is shorter than telemetry's own trip
         ([30.0] * 10, "auto", HANG_STARTUP_S),  # too few steps for a p99: still warming up
         ([30.0] * 200, 45.0, 45.0),  # HealthSpec.step_timeout given
+        # ... and before the generation's first step, the startup allowance (HealthSpec.startup_timeout):
+        # the first step also imports, rendezvouses, loads a checkpoint and warms caches
+        ([], 45.0, HANG_STARTUP_S),
+        ([], 600.0, 600.0),  # a step timeout longer than the allowance holds from the start
+        ([30.0], 45.0, 45.0),  # the first step is done: the step timeout alone
         ([np.nan] * 50 + [30.0] * 200, "auto", 90.0),
     ],
 )
@@ -273,6 +278,19 @@ def test_a_monitor_taking_over_past_the_first_step_needs_no_warm_up(
     observed: list[float], known: float | None, timeout: float
 ) -> None:
     assert step_timeout(observed, known_step_s=known, warm=True) == timeout
+
+
+def test_a_monitor_taking_over_past_the_first_step_holds_the_step_timeout_given() -> None:
+    assert step_timeout([], configured=45.0, warm=True) == 45.0
+
+
+def test_the_startup_allowance_is_the_runs_own() -> None:
+    watchdog = HangWatchdog(configured=10.0, startup_s=60.0)
+    watchdog.last_progress_at = 0.0  # the generation's monitor started
+    assert not watchdog.overdue(now=59.0)
+    assert watchdog.overdue(now=61.0)
+    watchdog.progress(step=1, at=61.0, step_s=0.2)
+    assert not watchdog.overdue(now=70.0) and watchdog.overdue(now=72.0)
 
 
 def test_watchdog_counts_progress_not_liveness() -> None:

@@ -21,6 +21,7 @@ HANG_TARGET = 100
 # Where a test asserts how a hang is named, not when: a step timeout of 5 s (a hundred of these ~50 ms
 # steps) instead of auto's 10 s floor, which the first hang test holds the run to.
 NAMED_HANG_HEALTH = HEALTH | {"step_timeout": "5s"}
+SLOW_FROM = 20  # the straggler's first slow step
 
 
 async def test_a_hang_inside_the_collective_names_the_rank_and_quarantines_its_node(
@@ -103,13 +104,13 @@ async def test_a_hang_where_every_rank_is_inside_the_collective_blames_nobody(
 async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
     client: Client, checkpoint_root: Path
 ) -> None:
-    faults = [{"kind": "straggler", "rank": 1, "factor": 1.2, "from_step": 40}]
-    # Eight ranks of 150 ms device steps: a robust median needs peers, and a 20% excess needs a step
-    # long enough that scheduling jitter on two cores is a few percent of it (at 100 ms, a loaded
-    # host's jitter broke the slow rank's streak of k steps now and then).
-    spec = detection_spec(
-        checkpoint_root, device_ms=150, target_step=120, world_size=8, ranks_per_node=4, faults=faults
-    )
+    faults = [{"kind": "straggler", "rank": 1, "factor": 1.2, "from_step": SLOW_FROM}]
+    # Eight ranks of 300 ms device steps: a robust median needs peers, and a 20% excess needs a step
+    # long enough that scheduling jitter on two cores is a few percent of it. The jitter is absolute:
+    # with the other test worker's ranks on the same cores the peers' MAD reached 8.5 ms, which at
+    # 150 ms steps pulled the slow rank to z = 3.0 and broke its streak of k steps (flagged at step
+    # 72 of one CI run, not by 65). The k steps fall between two checkpoints (every 50 steps).
+    spec = detection_spec(checkpoint_root, device_ms=300, target_step=70, world_size=8, ranks_per_node=4, faults=faults)
     handle = await start(client, spec, "straggler")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
@@ -117,6 +118,6 @@ async def test_a_rank_slowed_to_1_2x_is_flagged_within_k_steps_on_its_node(
     (found,) = await handle.query(RunWorkflow.detections)
     assert (found.kind, found.rank, found.node) == ("straggler", 1, "n1")
     # k = 20 consecutive slow steps, after the rolling median (SMOOTH_STEPS) has caught the change.
-    assert 40 + 20 - 1 <= found.step <= 40 + 20 + SMOOTH_STEPS, "flagged within k steps"
+    assert SLOW_FROM + 20 - 1 <= found.step <= SLOW_FROM + 20 + SMOOTH_STEPS, "flagged within k steps"
     assert found.ratio is not None and 1.1 < found.ratio < 1.35
     await wait_for_fleet(client, lambda nodes: nodes["n1"].note.startswith("straggler"))
