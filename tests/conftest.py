@@ -36,17 +36,23 @@ def heavy(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The queue, a file at a time (its module fixtures run once): the files with a test that holds
-    the host alone first, so that they wait only for each other and the other worker runs the light
-    files meanwhile; then the light files; then the longest folders, so that both workers stay busy
-    to the end. Within a file, the collection's order."""
-    alone = {item.path for item in items if item.get_closest_marker("alone") is not None}
-
-    def queue_place(item: pytest.Item) -> tuple[bool, int]:
-        folder = item.path.parent.name  # a light one (-1) before every heavy one
-        return item.path not in alone, HEAVY_FIRST.index(folder) if heavy(item) else -1
-
-    items.sort(key=queue_place)  # stable
+    """The queue, a file at a time (its module fixtures run once). xdist hands files out in this order
+    only because pyproject.toml turns off its default, which reorders files by their number of tests
+    and left this order without effect. Each file with a test that holds the host alone goes beside a
+    light file: xdist hands out the first files in turn, so one worker takes the alone files and the
+    other the light ones, which need no share of the host. Then the light files; then the longest
+    folders, so that both workers stay busy to the end. Within a file, the collection's order."""
+    files = list(dict.fromkeys(item.path for item in items))
+    alone = list(dict.fromkeys(item.path for item in items if item.get_closest_marker("alone") is not None))
+    light = [path for path in files if path.parent.name not in HEAVY_FIRST and path not in alone]
+    heavy = sorted(
+        (path for path in files if path.parent.name in HEAVY_FIRST and path not in alone),
+        key=lambda path: HEAVY_FIRST.index(path.parent.name),
+    )
+    beside = [path for pair in zip(alone, light, strict=False) for path in pair]
+    queue = beside + alone[len(beside) // 2 :] + light[len(beside) // 2 :] + heavy
+    place = {path: index for index, path in enumerate(queue)}
+    items.sort(key=lambda item: place[item.path])  # stable
 
 
 @pytest.fixture(scope="session")
