@@ -278,21 +278,22 @@ def step_timeout(
     warm: bool = False,
 ) -> float:
     """How long a run may go without completing a step before it counts as hung: the configured
-    seconds (HealthSpec.step_timeout; at least `startup_s` until the generation's first step is
-    done), or with "auto" 3 × p99 of the observed step times, at least `floor_s`. While fewer than
-    MIN_STEP_SAMPLES steps have been seen, and the run knows its step time (`known_step_s`, from
-    before this generation): 3 × the slower of that and the steps seen after the generation's first;
-    `startup_s` until the first is done. `warm`: it was done before this
-    watch began (a monitor taking over a running generation), and every step seen counts."""
+    seconds (HealthSpec.step_timeout), or with "auto" 3 × p99 of the observed step times, at least
+    `floor_s`. While fewer than MIN_STEP_SAMPLES steps have been seen, and the run knows its step
+    time (`known_step_s`, from before this generation): 3 × the slower of that and the steps seen
+    after the generation's first. Until the first is done, at least `startup_s` either way. `warm`:
+    it was done before this watch began (a monitor taking over a running generation), and every
+    step seen counts."""
     seconds = np.asarray(observed_step_seconds, dtype=np.float64)
     seconds = seconds[~np.isnan(seconds)]
+    # A generation's first step also imports, rendezvouses, loads a checkpoint and warms caches: on a
+    # loaded host that took a 0.2 s-step example 12 s, whatever step timeout its user had set.
+    starting = seconds.size == 0 and not warm
     if configured != "auto":
-        # A step timeout is a step's: a generation's first step also imports, rendezvouses, loads a
-        # checkpoint and warms caches, which on a loaded host took a 0.2 s-step example 12 s.
-        return max(float(configured), startup_s) if seconds.size == 0 and not warm else float(configured)
+        return max(float(configured), startup_s) if starting else float(configured)
     if seconds.size >= MIN_STEP_SAMPLES:
         return max(floor_s, HANG_FACTOR * float(np.percentile(seconds, 99)))
-    if known_step_s is None or (seconds.size == 0 and not warm):
+    if known_step_s is None or starting:
         return max(floor_s, startup_s)
     # A restarted generation past its first step runs at the run's known pace: a hang 10 steps after
     # a restart, or one a monitor taking over finds, is caught in seconds, not after the warm-up allowance.

@@ -31,8 +31,8 @@ from tests.helpers import NODES, ROOT, Webhook, holding_the_host
 HEAVY_FIRST = ("e2e", "sim", "slurm", "training", "agent", "workers")  # the longest folders first
 
 
-def heavy(item: pytest.Item) -> bool:
-    return item.path.parent.name in HEAVY_FIRST
+def heavy(path: Path) -> bool:
+    return path.parent.name in HEAVY_FIRST
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -44,13 +44,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     folders, so that both workers stay busy to the end. Within a file, the collection's order."""
     files = list(dict.fromkeys(item.path for item in items))
     alone = list(dict.fromkeys(item.path for item in items if item.get_closest_marker("alone") is not None))
-    light = [path for path in files if path.parent.name not in HEAVY_FIRST and path not in alone]
-    heavy = sorted(
-        (path for path in files if path.parent.name in HEAVY_FIRST and path not in alone),
-        key=lambda path: HEAVY_FIRST.index(path.parent.name),
-    )
+    light = [path for path in files if not heavy(path) and path not in alone]
+    heavy_files = [path for path in files if heavy(path) and path not in alone]
+    longest_first = sorted(heavy_files, key=lambda path: HEAVY_FIRST.index(path.parent.name))
     beside = [path for pair in zip(alone, light, strict=False) for path in pair]
-    queue = beside + alone[len(beside) // 2 :] + light[len(beside) // 2 :] + heavy
+    queue = beside + alone[len(beside) // 2 :] + light[len(beside) // 2 :] + longest_first
     place = {path: index for index, path in enumerate(queue)}
     items.sort(key=lambda item: place[item.path])  # stable
 
@@ -64,7 +62,7 @@ def host_lock(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def host_share(request: pytest.FixtureRequest, host_lock: Path) -> Iterator[None]:
-    if not heavy(request.node):
+    if not heavy(request.node.path):
         yield
         return
     with holding_the_host(host_lock, alone=request.node.get_closest_marker("alone") is not None):
