@@ -144,7 +144,14 @@ def bucket_all_reduce(
     target, counted = _stalled_or(None)
     if counted:
         _entered(Site.GRADIENTS)
-    gradients = bucket.buffer().div_(world_size)
+    gradients = bucket.buffer()
+    if carrier is not None and rider is not None:
+        # Averaged on its way into the carrier: one pass over the bucket, not two (a division in
+        # place, then a copy), and the bucket keeps this rank's own gradient.
+        torch.div(gradients, world_size, out=carrier.reduced)
+        carrier.summed.copy_(rider)
+        return BucketAllReduce(carrier.reduced, carrier.summed, [_issue([carrier.flat], target)])
+    gradients.div_(world_size)
     if per_tensor:
         # Each gradient at offset 0 of an all-reduce of its own (they are views into the bucket): a
         # ring all-reduce sums an element in an order that depends on its offset, and DDP buckets a
@@ -152,11 +159,7 @@ def bucket_all_reduce(
         summed = rider.clone() if rider is not None else None
         tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
         return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
-    if rider is None:
-        return BucketAllReduce(gradients, None, [_issue([gradients], target)])
-    assert carrier is not None
-    torch.cat([gradients, rider], out=carrier.flat)
-    return BucketAllReduce(carrier.reduced, carrier.summed, [_issue([carrier.flat], target)])
+    return BucketAllReduce(gradients, None, [_issue([gradients], target)])
 
 
 def _issue(

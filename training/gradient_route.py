@@ -59,16 +59,17 @@ class GradientRoute:
         waited for at the last bucket's, which DDP waits for right away anyway: the buckets before it
         still overlap the backward pass."""
         self._leaving(bucket.parameters, bucket.gradients)
-        rides = not self._vote_sent and bucket.buffer().dtype in EXACT_DTYPES
+        buffer = bucket.buffer()
+        rides = not self._vote_sent and buffer.dtype in EXACT_DTYPES
         self._vote_sent = self._vote_sent or rides
         rider = self._vote_rider() if rides else None
         # Summed per tensor (exact_resume), the rider goes alone: no carrier.
         carrier = None
         if rider is not None and not self.exact_resume:
-            carrier = self._carrier(bucket.index(), bucket.buffer(), rider)
+            carrier = self._carrier(bucket.index(), buffer, rider)
             self._slot = carrier.rider_last
         if self.checks is not None:  # DDP reads a carried bucket's result from the carrier: the bucket stays local
-            self.checks.entering(bucket.buffer(), kept=carrier is not None)
+            self.checks.entering(buffer, kept=carrier is not None)
         issued = collectives.bucket_all_reduce(bucket, self.supervision.world_size, rider, self.exact_resume, carrier)
         self._buckets.append(issued)
         if bucket.is_last():

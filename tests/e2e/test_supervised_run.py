@@ -46,17 +46,21 @@ def final_lineage_samples(reports: list[StepReport], result: RunResult, target: 
 async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
     client: Client, checkpoint_root: Path
 ) -> None:
-    spec = tiny_spec(checkpoint_root, target_step=100)
+    # Checkpoints every 20 steps: the kill aims at step 23 and must land before step 40 commits, however
+    # late a loaded host lets it come (at every 10 steps, it once came after step 30's checkpoint).
+    checkpoint = {"root": str(checkpoint_root), "interval": "20 steps"}
+    spec = tiny_spec(checkpoint_root, target_step=100, checkpoint=checkpoint)
     handle = await start(client, spec, "kill-rank")
     # Follow the spec's nodes from generation 0: the crashed node is quarantined (and forgets the run's
     # records) within seconds, and on a fresh stack the first status query can come back only after that.
     collector = RecordCollector(client, handle, spec.nodes)
+    await wait_for_step(client, handle, 1)
+    pids = await rank_pids(client, handle)
     await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
     # Ranks that die of the lost peer may not flush their last reports, and the crashed node forgets
     # the run's records once quarantined: hold every node's reports up to here before the kill.
     for node in spec.nodes:
         await collector.caught_up(node, 23)
-    pids = await rank_pids(client, handle)
     os.kill(pids["n2"][3], signal.SIGKILL)
 
     result = await handle.result()
