@@ -145,21 +145,21 @@ def bucket_all_reduce(
     if counted:
         _entered(Site.GRADIENTS)
     gradients = bucket.buffer()
+    if per_tensor:
+        # Each gradient at offset 0 of an all-reduce of its own (they are views into the bucket): a
+        # ring all-reduce sums an element in an order that depends on its offset, and DDP buckets a
+        # process's first step (a resumed one's) differently from its later ones.
+        gradients.div_(world_size)
+        summed = rider.clone() if rider is not None else None
+        tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
+        return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
     if carrier is not None and rider is not None:
         # Averaged on its way into the carrier: one pass over the bucket, not two (a division in
         # place, then a copy), and the bucket keeps this rank's own gradient.
         torch.div(gradients, world_size, out=carrier.reduced)
         carrier.summed.copy_(rider)
         return BucketAllReduce(carrier.reduced, carrier.summed, [_issue([carrier.flat], target)])
-    gradients.div_(world_size)
-    if per_tensor:
-        # Each gradient at offset 0 of an all-reduce of its own (they are views into the bucket): a
-        # ring all-reduce sums an element in an order that depends on its offset, and DDP buckets a
-        # process's first step (a resumed one's) differently from its later ones.
-        summed = rider.clone() if rider is not None else None
-        tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
-        return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
-    return BucketAllReduce(gradients, None, [_issue([gradients], target)])
+    return BucketAllReduce(gradients.div_(world_size), None, [_issue([gradients], target)])
 
 
 def _issue(
