@@ -32,6 +32,10 @@ from tests.helpers import (
 NODES = [f"w{i}" for i in range(1, 8)]
 GLOBAL_BATCH = 30  # shares evenly among 6 ranks and among 5
 TARGET = 160  # long enough for a crash, the crashed node's self-test and a drain
+# The drain must come while generation 1 still runs, and only once w5's self-test (the fleet
+# workflow's) has passed. At 15 ms a step a loaded CI host once finished the run before that self-test
+# did; at 50 ms generation 1 runs some 8 s past step 35.
+DRAIN_DEVICE_MS = 50
 # What a run's history may schedule, at any width: its monitor, a hang's stack dumps, a webhook page.
 # Everything that touches nodes is one local activity for all of them.
 SCHEDULED = {"monitor_run", "dump_stacks", "deliver_webhook"}
@@ -52,7 +56,7 @@ async def settled(client: Client, wide: list[str]) -> None:
     await wait_for_fleet(client, lambda nodes: all(n in nodes and nodes[n].state.usable for n in wide), timeout=120)
 
 
-def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: object) -> RunSpec:
+def wide_spec(root: Path, nodes: list[str], spares: list[str], device_ms: int = 15, **overrides: object) -> RunSpec:
     spec: dict[str, object] = {
         "name": "wide",
         "world_size": len(nodes),
@@ -60,8 +64,8 @@ def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: obje
         "nodes": nodes,
         "spare_nodes": spares,
         "min_nodes": len(nodes) - 1,
-        # Paced as tiny_spec's runs are (tests/helpers.TINY_ENTRYPOINT), at this test's global batch.
-        "entrypoint": [*TRAINER, "--global-batch", str(GLOBAL_BATCH), "--device-ms", "15"],
+        # By default paced as tiny_spec's runs are (tests/helpers.TINY_ENTRYPOINT), at this test's global batch.
+        "entrypoint": [*TRAINER, "--global-batch", str(GLOBAL_BATCH), "--device-ms", str(device_ms)],
         "target_step": 80,
         "checkpoint": {"root": str(root), "interval": "10 steps"},
     }
@@ -71,7 +75,9 @@ def wide_spec(root: Path, nodes: list[str], spares: list[str], **overrides: obje
 async def test_six_nodes_survive_a_killed_rank_and_a_drain(
     client: Client, checkpoint_root: Path, wide: list[str]
 ) -> None:
-    handle = await start(client, wide_spec(checkpoint_root, wide[:6], wide[6:], target_step=TARGET), "wide")
+    handle = await start(
+        client, wide_spec(checkpoint_root, wide[:6], wide[6:], DRAIN_DEVICE_MS, target_step=TARGET), "wide"
+    )
     collector = RecordCollector(client, handle, wide[:6])
     await wait_for_step(client, handle, 23)
     await collector.caught_up("w5", 20)  # w5's agent forgets the run's records once w5 is quarantined
