@@ -144,8 +144,8 @@ def stayalive(storage: Path, tmpfs: Path) -> Iterator[SaveFn]:
 
     def save(training: Training) -> tuple[float, float]:
         started = time.perf_counter()
-        state = LoopState(training.model, training.optimizer).state(rank=0)
-        checkpointer.save(training.step, state)  # what `run.checkpoint()` blocks the step for
+        loop = LoopState(training.model, training.optimizer)
+        checkpointer.save(training.step, lambda: loop.state(rank=0))  # what `run.checkpoint()` blocks the step for
         blocking = time.perf_counter() - started
         checkpointer.wait()
         return blocking, time.perf_counter() - started

@@ -25,7 +25,7 @@ from stayalive.core.telemetry import NodeSteps, StepReport, steps_frame
 _WINDOW = 50  # steps over which rates and step-time percentiles are taken
 # A step still missing reports is given up on once a report this many steps newer arrives: twice what
 # a rank holds back before it sends (training/step_reports.py), so a healthy rank's step is never late.
-LAG = 8
+LAG = 32
 
 # ── node agent: its ranks' reports → one NodeSteps per step ─────────────────────────────────────────
 

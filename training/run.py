@@ -248,7 +248,7 @@ class Run:
             log.info("rebalance asked for: run.speeds", speeds=[round(s, 3) for s in decision.speeds])
         if decision.checkpoint:
             self.reports.flush()  # the agent hears of the step before its checkpoint commits
-            self.checkpointer.save(step, self.state.state(self.rank), self._last_verified())
+            self.checkpointer.save(step, self._state, self._last_verified())
         if decision.hold:
             self._hold()
         return not decision.stop and step < self.target_step
@@ -276,7 +276,7 @@ class Run:
         """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
         if self.config is None:
             return 0.0
-        return self.checkpointer.save(self.step, self.state.state(self.rank), self._last_verified())
+        return self.checkpointer.save(self.step, self._state, self._last_verified())
 
     def replay_with(
         self, replay: Callable[[], object] | None = None, *, of_rank: Callable[[int], object] | None = None
@@ -310,6 +310,9 @@ class Run:
             self.faults.before_collective(self.step + 1, time.perf_counter() - self._started)
             self._compute_s = time.perf_counter() - self._started  # an injected straggler's too
         return self._compute_s
+
+    def _state(self) -> dict[str, Any]:
+        return self.state.state(self.rank)
 
     def _last_verified(self) -> int:
         return self.checks.last_verified if self.checks is not None else 0

@@ -122,7 +122,8 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 def committed(tmp_path: Path, group: dist.ProcessGroup) -> tuple[Path, float]:
     """A committed checkpoint of step 7, written by the real writer; and the seconds its save blocked."""
     writer = Writer(tmp_path / "ckpt", group)
-    blocking = writer.checkpointer.save(7, state_of(*trained()))
+    model, optimizer = trained()
+    blocking = writer.checkpointer.save(7, lambda: state_of(model, optimizer))
     writer.checkpointer.wait()
     assert writer.committed == [7]
     checkpoint = tmp_path / "ckpt" / checkpoint_dirname(7, 0)
@@ -212,7 +213,8 @@ def test_a_generation_behind_the_fence_commits_nothing(tmp_path: Path, group: di
     directory.mkdir()
     write_fence(directory, 1)
     writer = Writer(directory, group, durable=checkpoint_dirname(0, 0))
-    writer.checkpointer.save(7, state_of(*trained()))
+    model, optimizer = trained()
+    writer.checkpointer.save(7, lambda: state_of(model, optimizer))
     writer.checkpointer.wait()
     assert writer.committed == []
     assert sorted(p.name for p in directory.iterdir()) == [FENCE_FILE], "nothing of generation 0 is left"
@@ -242,14 +244,15 @@ def test_training_goes_on_through_an_outage_and_the_newest_checkpoint_lands_once
     """Storage fails halfway through step 2's file (the run's directory gone: ENOENT; or full: ENOSPC)."""
     tier = MemoryTier(directory=tmp_path / "memory", hub="127.0.0.1:1", replica_hub=None, token="no hub here")
     writer = Writer(tmp_path / "ckpt", group, tier=tier, faults=[fault])
-    state = state_of(*trained())
-    writer.checkpointer.save(1, state)
+    model, optimizer = trained()
+    state = state_of(model, optimizer)
+    writer.checkpointer.save(1, lambda: state)
     writer.checkpointer.wait()
     assert writer.committed == [1]
 
     began = time.monotonic()
     for step in (2, 3, 4, 5):
-        writer.checkpointer.save(step, state)
+        writer.checkpointer.save(step, lambda: state)
         time.sleep(0.05)
     assert time.monotonic() - began < OUTAGE_S, "no save waited for storage"
     assert writer.committed == [1]

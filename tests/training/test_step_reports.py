@@ -36,14 +36,16 @@ def test_steps_go_a_batch_at_a_time_in_order_with_their_own_figures(clock: Clock
     reports = StepReports(rank=3, generation=2, send=batches.append)
     reports.add(1, 0.010, 0.020, torch.tensor(2.5), [7, 8])
     assert [[r.step for r in b] for b in batches] == [[1]], "a generation's first step goes at once"
-    for step in range(2, 9):
+    every = step_reports.REPORT_EVERY_STEPS
+    for step in range(2, 2 * every + 1):
         clock.now += 0.01
         reports.add(step, 0.011, 0.021, torch.tensor(float(step)), [step])
     # Cut by step number, as every rank cuts them: each step reaches the agent with the other ranks'.
-    assert [[r.step for r in b] for b in batches] == [[1], [2, 3, 4], [5, 6, 7, 8]]
+    first, second = list(range(2, every + 1)), list(range(every + 1, 2 * every + 1))
+    assert [[r.step for r in b] for b in batches] == [[1], first, second]
     sent = batches[1]
-    assert [r.loss for r in sent] == [2.0, 3.0, 4.0]
-    assert [r.samples for r in sent] == [[2], [3], [4]]
+    assert [r.loss for r in sent] == [float(step) for step in first]
+    assert [r.samples for r in sent] == [[step] for step in first]
     assert {(r.rank, r.generation) for r in sent} == {(3, 2)}
     assert sent[-1].compute_s == 0.011 and sent[-1].step_s == 0.021
     assert [r.at for r in sent] == sorted(r.at for r in sent)
