@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import structlog
 import torch
@@ -50,7 +49,6 @@ class LoopChecks:
         world_size: int,
         generation: int,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
         faults: FaultInjector,
         report: Callable[[Anomaly | SdcCheck], None],
         halt: Callable[[], None],
@@ -78,12 +76,6 @@ class LoopChecks:
         self.buckets_stay_local = self.ddp is not None and not self.ddp.gradient_as_bucket_view
         # The all-reduced gradient's norm, read (set by the route, which reads it with the step's vote).
         self.gradient_norm: Callable[[], float | None] = lambda: None
-        self._hook = optimizer.register_step_pre_hook(self._before_update) if self.enabled else None
-
-    def close(self) -> None:
-        """The generation is over (its process goes on into the next): these checks leave the optimizer."""
-        if self._hook is not None:
-            self._hook.remove()
 
     @property
     def last_verified(self) -> int:
@@ -132,8 +124,9 @@ class LoopChecks:
 
     # -- before the update (the optimizer's step pre-hook) --------------------------------------------
 
-    def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if not self.updating:  # not the loop's update: DCP gives a fresh optimizer its state by a step
+    def before_update(self) -> None:
+        """Called by the optimizer's step pre-hook (Run's)."""
+        if not (self.enabled and self.updating):  # or not the loop's update: DCP steps a fresh optimizer
             return
         self.updating = False
         step, params = self.step, self.params

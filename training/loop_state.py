@@ -8,6 +8,7 @@ sizes neither need nor could reshard.
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from stayalive.training.dcp_format import DcpManifest
 from stayalive.training.rng import reseed, rng_state, set_rng_state
@@ -44,13 +46,18 @@ class LoopState:
     per_rank: dict[str, Stateful] = field(default_factory=dict)
 
     def state(self, rank: int) -> dict[str, Any]:
-        """What a checkpoint holds, as it stands: `rank`'s own value under `ranks/{rank}`."""
+        """What a checkpoint holds, as it stands: `rank`'s own value under `ranks/{rank}`. Its model
+        parameters and optimizer state may be copied later, until the loop's next update (which waits
+        for them: training/state_checkpointer.py); what else can change before that is a copy already:
+        the model's buffers (a forward changes batch norm's) and the other objects' states."""
         state: dict[str, Any] = {}
         if self.optimizer is not None:
             state["model"], state["optim"] = get_state_dict(self.model, self.optimizer)
         else:
             state["model"] = get_model_state_dict(self.model)
-        state |= {f"state/{name}": obj.state_dict() for name, obj in self.shared.items()}
+        buffers = {b.data_ptr() for b in self.model.buffers() if not isinstance(b, DTensor)}
+        state["model"] = {key: _copied_if_in(value, buffers) for key, value in state["model"].items()}
+        state |= {f"state/{name}": copy.deepcopy(obj.state_dict()) for name, obj in self.shared.items()}
         mine = {"rng": rng_state()} | {name: obj.state_dict() for name, obj in self.per_rank.items()}
         buffer = io.BytesIO()
         torch.save(mine, buffer)
@@ -88,6 +95,11 @@ class LoopState:
                 obj.load_state_dict(own[name])
         elif not carried:
             reseed(step, rank)
+
+
+def _copied_if_in(value: Any, pointers: set[int]) -> Any:
+    plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+    return value.clone() if plain and value.data_ptr() in pointers else value
 
 
 def _own(rank: int) -> str:

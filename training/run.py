@@ -118,6 +118,8 @@ class Run:
             dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
         rank_process.watch_from_outside()
         self.channel: AgentChannel | None = None
+        if optimizer is not None:  # one hook for every generation this process joins
+            optimizer.register_step_pre_hook(self._before_update)
         self._join(carried=False)
         if isinstance(model, DistributedDataParallel):
             # A lambda: DDP checks a hook's annotations against real classes, and this module's are strings.
@@ -155,7 +157,6 @@ class Run:
                 self.world_size,
                 config.generation,
                 self.model,
-                self.optimizer,
                 self.faults,
                 self._report,
                 self._halt,
@@ -175,6 +176,7 @@ class Run:
             durable=resume.name if resume is not None else None,
             on_commit=self._committed,
             on_outage=self._outage,
+            overlap=self.optimizer is not None,  # its step pre-hook waits for the copy (_before_update)
         )
         if resume is None:
             return
@@ -273,7 +275,9 @@ class Run:
         self._samples = list(samples or [])
 
     def checkpoint(self) -> float:
-        """Save now (every rank at the same step, as with any collective); the seconds it blocked."""
+        """Save now (every rank at the same step, as with any collective); the seconds it blocked. The
+        tensors are copied while the loop goes on, until the optimizer's next step, which waits for
+        the copy first (`run.checkpointer.blocking_s` is both, once that step began)."""
         if self.config is None:
             return 0.0
         return self.checkpointer.save(self.step, self._state, self._last_verified())
@@ -314,6 +318,13 @@ class Run:
     def _state(self) -> dict[str, Any]:
         return self.state.state(self.rank)
 
+    def _before_update(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        """The optimizer is about to change the parameters and its state: the last checkpoint's copy
+        of them is complete first, then the SDC checks see the step's gradient."""
+        self.checkpointer.staged()
+        if self.checks is not None:
+            self.checks.before_update()
+
     def _last_verified(self) -> int:
         return self.checks.last_verified if self.checks is not None else 0
 
@@ -344,8 +355,6 @@ class Run:
         log.info("rejoining in place", checkpoint=held.name, rank=env.get("RANK"))
         os.environ.update(env)
         self.faults.detach()
-        if self.checks is not None:
-            self.checks.close()
         dist.destroy_process_group()  # every group: nothing is pending, every rank stopped after the same step
         dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
         self._join(carried=True)

@@ -1,11 +1,16 @@
 """Asynchronous checkpoints of any state dict, through `torch.distributed.checkpoint` (DCP).
 
-step N ─ stage: copy the state into CPU buffers kept from the last save    (blocking: Young/Daly's `C`)
-         └ writer thread: dcp.save → this node's host-memory tier           (DCP's files, its plan)
-                          each file → the replica's node                    (a node lost keeps a copy)
-           └ storage thread (training/flusher.py), retried while storage is away:
-                          each file → storage, fsynced, digested, then the commit (training/commit.py)
+step N ─ snapshot: the state dicts made, what is not a tensor of the model's or optimizer's copied
+         └ staging thread: their tensors copied into CPU buffers kept from the last save, while the
+           loop goes on into step N+1's forward and backward; its update waits for the copy first
+           (`staged()`: the optimizer's step pre-hook), as DCP's async staging and torchtitan's
+           zero-overhead checkpoints do. Blocking (Young/Daly's `C`) = the snapshot + that wait.
+           └ writer thread: dcp.save → this node's host-memory tier      (DCP's files, its plan)
+                            each file → the replica's node               (a node lost keeps a copy)
+             └ storage thread (training/flusher.py), retried while storage is away:
+                            each file → storage, fsynced, digested, then the commit (training/commit.py)
 
+A loop without an optimizer under the API has no update to wait at: its save waits for the copy.
 DCP brings FSDP2's DTensors and loading at another world size; the manifest (training/dcp_format.py)
 brings digests, the atomic commit and the memory tier's addresses. Every loop under stayalive, the
 built-in trainer's too, checkpoints this way (training/run.py).
@@ -18,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from stayalive.training import memory
 from stayalive.training.checkpoint import checkpoint_dirname
@@ -48,13 +54,21 @@ log = structlog.get_logger()
 
 
 @dataclass
+class _Blocking:
+    """How long a save held the loop up: its snapshot, then its update's wait for the copy (added by
+    the training thread as soon as the copy is done, well before the writer reads it)."""
+
+    seconds: float
+
+
+@dataclass
 class _Landing:
     """One checkpoint on its way to storage (in host memory already), and how far its write got."""
 
     name: str
     step: int
     last_verified: int
-    blocking_s: float
+    blocking: _Blocking
     local: Path  # the directory that holds this rank's files in host memory
     files: list[str]
     record: RankRecord | None = None  # this rank's files are on storage
@@ -74,10 +88,12 @@ class StateCheckpointer:
         on_commit: Callable[[DcpManifest, Path], None],
         on_outage: Callable[[int, float, OSError], None],
         durable: str | None,
+        overlap: bool = False,
     ) -> None:
         """`group`: a gloo group of every rank, for DCP's planning on the writer thread (never the
         training loop's group, whose collectives the writer would interleave with). `durable`: as
-        for training/checkpointer.py, the newest checkpoint known whole on storage."""
+        for training/checkpointer.py, the newest checkpoint known whole on storage. `overlap`: the
+        loop calls `staged()` before the state's tensors change, so a save need not wait for the copy."""
         self.commit = committer
         self.rank = rank
         self.world_size = world_size
@@ -85,8 +101,18 @@ class StateCheckpointer:
         self.config_digest = config_digest
         self.on_commit = on_commit
         self._durable = durable
-        # Keeps the CPU copies between saves: after the first, a save copies into them (pinned on a GPU host).
-        self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
+        # Keeps the CPU copies between saves: after the first, a save copies into them (pinned on a GPU
+        # host). Copies in the loop's stream order (not non-blocking on a stream of their own, which
+        # nothing would order after the update's kernels).
+        on_gpu = torch.cuda.is_available()
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
+            )
+        )
+        self.overlap = overlap
+        self._staging: Future[dict[str, Any]] | None = None
+        self._blocking = _Blocking(0.0)
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.flusher: Flusher[_Landing] = Flusher(
@@ -100,15 +126,32 @@ class StateCheckpointer:
         seconds it blocked: the state dict's making counts too, as Young/Daly's `C` must."""
         started = time.perf_counter()
         self._in_memory()
-        staged = self._stager.stage(state_of())
-        blocking = time.perf_counter() - started
+        staging = self._stager.stage(state_of())
+        assert isinstance(staging, Future)  # use_async_staging
+        self._staging, self._blocking = staging, _Blocking(time.perf_counter() - started)
         self._writer = threading.Thread(
             target=contextvars.copy_context().run,
-            args=(self._persist, step, last_verified, blocking, staged),
+            args=(self._persist, step, last_verified, self._blocking, staging),
             name="stayalive-checkpoint-writer",
         )
         self._writer.start()
-        return blocking
+        if not self.overlap:
+            self.staged()
+        return self._blocking.seconds
+
+    def staged(self) -> None:
+        """Before the saved tensors change (the loop's next update): wait until they are copied."""
+        if self._staging is None:
+            return
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.exception()  # a failed copy surfaces with the writer's error, at the next save or wait
+        self._blocking.seconds += time.perf_counter() - started
+
+    @property
+    def blocking_s(self) -> float:
+        """The seconds the last save held the loop up (final once its update began)."""
+        return self._blocking.seconds
 
     def wait(self) -> None:
         """Until every checkpoint saved is on storage: however long storage is away."""
@@ -128,6 +171,7 @@ class StateCheckpointer:
         return self._durable
 
     def _in_memory(self) -> None:
+        self.staged()
         if self._writer is not None:
             self._writer.join()
             self._writer = None
@@ -136,11 +180,12 @@ class StateCheckpointer:
             raise error
         self.flusher.check()
 
-    def _persist(self, step: int, last_verified: int, blocking: float, staged: dict[str, Any]) -> None:
+    def _persist(self, step: int, last_verified: int, blocking: _Blocking, staging: Future[dict[str, Any]]) -> None:
         name = checkpoint_dirname(step, self.commit.generation)
         tier = self.commit.tier
         local = self.commit.staging(name) if tier is None else tier.directory / self.commit.run_id / name
         try:
+            staged = staging.result()
             local.mkdir(parents=True, exist_ok=True)
             dcp.save(staged, storage_writer=dcp.FileSystemWriter(local, sync_files=False), process_group=self.group)
             files = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp"))
@@ -173,7 +218,7 @@ class StateCheckpointer:
                 )
                 hubs = [] if self.commit.tier is None else self.commit.tier.holders
                 records.append(FileRecord(file=file, rank=self.rank, size=size, sha256=sha256, hubs=hubs))
-            landing.record = RankRecord(rank=self.rank, files=records, blocking_s=landing.blocking_s)
+            landing.record = RankRecord(rank=self.rank, files=records, blocking_s=landing.blocking.seconds)
         store = self.commit.store
         if not landing.counted:
             store.set(f"{landing.name}/rank/{self.rank}", landing.record.model_dump_json())
@@ -214,10 +259,11 @@ def open_checkpoints(
     durable: str | None,
     on_commit: Callable[[DcpManifest, Path], None],
     on_outage: Callable[[int, float, OSError], None],
+    overlap: bool,
 ) -> tuple[StateCheckpointer, MemoryTier | None]:
     """A generation's checkpoints, as a rank launched by stayalive saves them: committed through the
     generation's store, kept in its node's host-memory tier (whose agent each node's first rank
-    publishes there, for the ranks whose replicas it holds)."""
+    publishes there, for the ranks whose replicas it holds). `overlap`: as for StateCheckpointer."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -226,6 +272,6 @@ def open_checkpoints(
     prefixed = dist.PrefixStore("stayalive/checkpoints", store)
     committer = Committer(config.checkpoint_dir, config.run_id, config.generation, prefixed, tier, faults)
     checkpointer = StateCheckpointer(
-        committer, rank, world_size, group, config.config_digest, on_commit, on_outage, durable
+        committer, rank, world_size, group, config.config_digest, on_commit, on_outage, durable, overlap
     )
     return checkpointer, tier
