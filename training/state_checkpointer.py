@@ -1,10 +1,10 @@
 """Asynchronous checkpoints of any state dict, through `torch.distributed.checkpoint` (DCP).
 
 step N ─ snapshot: the state dicts made, what is not a tensor of the model's or optimizer's copied
-         └ staging thread: their tensors copied into CPU buffers kept from the last save, while the
-           loop goes on into step N+1's forward and backward; its update waits for the copy first
-           (`staged()`: the optimizer's step pre-hook), as DCP's async staging and torchtitan's
-           zero-overhead checkpoints do. Blocking (Young/Daly's `C`) = the snapshot + that wait.
+         └ staging thread (training/staging.py): their tensors copied into CPU buffers kept from the
+           last save, while the loop goes on into step N+1's forward and backward; its update waits
+           for the copy first (`staged()`: the optimizer's step pre-hook), as DCP's async staging and
+           torchtitan's zero-overhead checkpoints do. Blocking (Young/Daly's `C`) = the snapshot + that wait.
            └ writer thread: dcp.save → this node's host-memory tier      (DCP's files, its plan)
                             each file → the replica's node               (a node lost keeps a copy)
              └ storage thread (training/flusher.py), retried while storage is away:
@@ -32,7 +32,6 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from stayalive.training import memory
 from stayalive.training.checkpoint import checkpoint_dirname
@@ -48,6 +47,7 @@ from stayalive.training.dcp_format import (
 from stayalive.training.faults import FaultInjector
 from stayalive.training.flusher import Flusher
 from stayalive.training.memory import MemoryTier
+from stayalive.training.staging import Stager
 from stayalive.training.supervision import SupervisionConfig
 
 log = structlog.get_logger()
@@ -101,15 +101,7 @@ class StateCheckpointer:
         self.config_digest = config_digest
         self.on_commit = on_commit
         self._durable = durable
-        # Keeps the CPU copies between saves: after the first, a save copies into them (pinned on a GPU
-        # host). Copies in the loop's stream order (not non-blocking on a stream of their own, which
-        # nothing would order after the update's kernels).
-        on_gpu = torch.cuda.is_available()
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
-            )
-        )
+        self._stager = Stager(pin_memory=torch.cuda.is_available())
         self.overlap = overlap
         self._staging: Future[dict[str, Any]] | None = None
         self._blocking = _Blocking(0.0)
@@ -127,7 +119,6 @@ class StateCheckpointer:
         started = time.perf_counter()
         self._in_memory()
         staging = self._stager.stage(state_of())
-        assert isinstance(staging, Future)  # use_async_staging
         self._staging, self._blocking = staging, _Blocking(time.perf_counter() - started)
         self._writer = threading.Thread(
             target=contextvars.copy_context().run,

@@ -1,0 +1,124 @@
+"""A checkpoint's tensors are copied while the loop goes on into its next step, and the update waits
+for the copy (training/state_checkpointer.py): what is committed is the state at the saved step, and
+the wait counts in the save's blocking time. The copy is slowed here, as a busy device's would be, so
+that an update or a forward that did not wait would land in the checkpoint."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stayalive.training import staging
+from stayalive.training.checkpoint import checkpoint_dirname
+from stayalive.training.commit import Committer
+from stayalive.training.faults import FaultInjector
+from stayalive.training.loop_state import LoopState
+from stayalive.training.state_checkpointer import StateCheckpointer
+from stayalive.training.state_restore import restore_state
+
+RUN = "staging/0000abcd"
+COPY_S = 0.3  # how long the slowed copy takes
+
+
+@pytest.fixture
+def group() -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.group.WORLD is not None
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def slow_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = staging._copied
+
+    def slowly(*args: Any) -> dict[str, Any]:
+        time.sleep(COPY_S)
+        return copy(*args)
+
+    monkeypatch.setattr(staging, "_copied", slowly)
+
+
+def loop(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model with batch norm (a forward changes its running statistics) and its AdamW, one step in."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer)
+    return model, optimizer
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(32, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    flat = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
+    for index, moments in optimizer.state_dict()["state"].items():
+        flat |= {f"optim/{index}/{k}": torch.as_tensor(v).clone() for k, v in moments.items()}
+    return flat
+
+
+def checkpointer(directory: Path, group: dist.ProcessGroup, overlap: bool) -> StateCheckpointer:
+    committer = Committer(directory, RUN, 0, dist.HashStore(), None, FaultInjector([], 0, 0))
+    return StateCheckpointer(
+        committer,
+        rank=0,
+        world_size=1,
+        group=group,
+        config_digest="digest",
+        on_commit=lambda manifest, path: None,
+        on_outage=lambda step, since, error: None,
+        durable=None,
+        overlap=overlap,
+    )
+
+
+def restored(directory: Path, group: dist.ProcessGroup, step: int) -> dict[str, torch.Tensor]:
+    """The checkpoint of `step` loaded into a differently seeded model and optimizer: their tensors."""
+    model, optimizer = loop(seed=1)
+    state = LoopState(model, optimizer)
+    loaded = restore_state(directory / checkpoint_dirname(step, 0), RUN, 0, 1, None, group, state.loadable(0, False))
+    state.load(loaded.state, 0, step, carried=False)
+    return tensors(model, optimizer)
+
+
+@pytest.mark.usefixtures("slow_copy")
+def test_the_next_step_goes_on_during_the_copy_and_its_update_waits_for_it(
+    tmp_path: Path, group: dist.ProcessGroup
+) -> None:
+    model, optimizer = loop(seed=0)
+    saving = checkpointer(tmp_path, group, overlap=True)
+    optimizer.register_step_pre_hook(lambda *_: saving.staged())  # as Run's own pre-hook does
+    saved = tensors(model, optimizer)
+
+    at_call = saving.save(1, lambda: LoopState(model, optimizer).state(0))
+    assert at_call < COPY_S, "the save returned before its copy"
+    train(model, optimizer)  # a forward (batch norm's statistics) and an update, during the copy
+    assert saving.blocking_s >= COPY_S > at_call, "the update waited for the copy, and the wait counts"
+    saving.wait()
+
+    now = tensors(model, optimizer)
+    assert [name for name in saved if torch.equal(now[name], saved[name])] == [], "the loop went on"
+    loaded = restored(tmp_path, group, 1)
+    assert [name for name in saved if not torch.equal(loaded[name], saved[name])] == []
+
+
+@pytest.mark.usefixtures("slow_copy")
+def test_without_an_update_to_wait_at_the_save_waits_for_the_copy(tmp_path: Path, group: dist.ProcessGroup) -> None:
+    model, optimizer = loop(seed=0)
+    saving = checkpointer(tmp_path, group, overlap=False)
+    saved = tensors(model, optimizer)
+    assert saving.save(1, lambda: LoopState(model, optimizer).state(0)) >= COPY_S
+    train(model, optimizer)
+    saving.wait()
+    loaded = restored(tmp_path, group, 1)
+    assert [name for name in saved if not torch.equal(loaded[name], saved[name])] == []
