@@ -7,6 +7,11 @@ nothing. `torch._foreach_copy_` releases the GIL, so the loop goes on into its n
 the copy runs. An FSDP2 model's DTensors are copied shard by shard, and put back as DTensors on
 the same mesh and placements for DCP to plan and reshard. Everything else in the state dict (the
 optimizer's param groups, a scheduler's numbers) is copied at once, before `stage` returns.
+
+On a GPU host the copy waits on an event recorded on the caller's stream, so it reads the state as
+the step's last kernels left it, and then runs on the copying thread's default stream: the host goes
+on, the device does the copy among its kernels. A copy stream of its own, beside the kernels, is
+the next step, to be measured on a GPU.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 
 class Stager:
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, gpu: bool) -> None:
+        self.gpu = gpu  # buffers pinned; the copy ordered after the caller's stream
         self._buffers: dict[str, torch.Tensor] = {}  # by the tensor's path in the state dict
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stayalive-staging")
 
@@ -31,7 +36,8 @@ class Stager:
         sources: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
         staged = self._mirror(state, "", sources, buffers)
-        return self._copier.submit(_copied, staged, buffers, sources)
+        after = torch.cuda.current_stream().record_event() if self.gpu else None
+        return self._copier.submit(_copied, staged, buffers, sources, after)
 
     def _mirror(self, value: Any, path: str, sources: list[torch.Tensor], buffers: list[torch.Tensor]) -> Any:
         if isinstance(value, dict):
@@ -55,13 +61,17 @@ class Stager:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
             buffer = self._buffers[path] = torch.empty(
-                local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin_memory
+                local.shape, dtype=local.dtype, device="cpu", pin_memory=self.gpu
             )
         return buffer
 
 
-def _copied(staged: dict[str, Any], buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> dict[str, Any]:
+def _copied(
+    staged: dict[str, Any], buffers: list[torch.Tensor], sources: list[torch.Tensor], after: torch.cuda.Event | None
+) -> dict[str, Any]:
+    if after is not None:
+        torch.cuda.current_stream().wait_event(after)
     if buffers:
         with torch.no_grad():
-            torch._foreach_copy_(buffers, sources)  # in the sources' stream order: after the last update
+            torch._foreach_copy_(buffers, sources)  # into pageable or pinned memory: done when it returns
     return staged

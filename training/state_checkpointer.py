@@ -101,7 +101,7 @@ class StateCheckpointer:
         self.config_digest = config_digest
         self.on_commit = on_commit
         self._durable = durable
-        self._stager = Stager(pin_memory=torch.cuda.is_available())
+        self._stager = Stager(gpu=torch.cuda.is_available())
         self.overlap = overlap
         self._staging: Future[dict[str, Any]] | None = None
         self._blocking = _Blocking(0.0)
@@ -128,6 +128,7 @@ class StateCheckpointer:
         self._writer.start()
         if not self.overlap:
             self.staged()
+            self._blocking.seconds = time.perf_counter() - started
         return self._blocking.seconds
 
     def staged(self) -> None:
