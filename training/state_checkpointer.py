@@ -119,16 +119,16 @@ class StateCheckpointer:
         started = time.perf_counter()
         self._in_memory()
         staging = self._stager.stage(state_of())
-        self._staging, self._blocking = staging, _Blocking(time.perf_counter() - started)
+        if not self.overlap:  # no update of the loop's will wait for the copy: this save does
+            staging.exception()  # a failed copy surfaces with the writer's error, as in staged()
+        self._staging = staging if self.overlap else None
+        self._blocking = _Blocking(time.perf_counter() - started)
         self._writer = threading.Thread(
             target=contextvars.copy_context().run,
             args=(self._persist, step, last_verified, self._blocking, staging),
             name="stayalive-checkpoint-writer",
         )
         self._writer.start()
-        if not self.overlap:
-            self.staged()
-            self._blocking.seconds = time.perf_counter() - started
         return self._blocking.seconds
 
     def staged(self) -> None:

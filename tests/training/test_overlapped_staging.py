@@ -6,7 +6,6 @@ that an update or a forward that did not wait would land in the checkpoint."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,6 @@ from stayalive.training.state_restore import restore_state
 
 RUN = "staging/0000abcd"
 COPY_S = 0.3  # how long the slowed copy takes
-
-
-@pytest.fixture
-def group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.group.WORLD is not None
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import hashlib
 import os
 import pickle
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +66,6 @@ def tensors_of(model: GPT, optimizer: torch.optim.Optimizer) -> dict[str, torch.
     for index, moments in optimizer.state_dict()["state"].items():
         flat |= {f"optim/{index}/{k}": torch.as_tensor(v) for k, v in moments.items()}
     return flat
-
-
-@pytest.fixture
-def group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert dist.group.WORLD is not None
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 class Writer:
