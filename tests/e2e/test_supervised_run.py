@@ -16,6 +16,7 @@ from stayalive.workers.devstack import DevStack, temporal_binary
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import (
     ROOT,
+    TINY_ENTRYPOINT,
     RecordCollector,
     rank_pids,
     start,
@@ -47,18 +48,22 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
     client: Client, checkpoint_root: Path
 ) -> None:
     # Checkpoints every 20 steps: the kill aims at step 23 and must land before step 40 commits, however
-    # late a loaded host lets it come (at every 10 steps, it once came after step 30's checkpoint).
+    # late a loaded host lets it come (at every 10 steps, it once came after step 30's checkpoint). Step
+    # reports reach the run up to 16 steps or 0.5 s late (training/step_reports.py): at 50 ms of device
+    # time a step, the 17 steps to step 40 take some 1 s (at 15 ms, a fresh clone's kill came after 40).
     checkpoint = {"root": str(checkpoint_root), "interval": "20 steps"}
-    spec = tiny_spec(checkpoint_root, target_step=100, checkpoint=checkpoint)
+    entrypoint = [*TINY_ENTRYPOINT[:-1], "50"]
+    spec = tiny_spec(checkpoint_root, target_step=100, checkpoint=checkpoint, entrypoint=entrypoint)
     handle = await start(client, spec, "kill-rank")
     # Follow the spec's nodes from generation 0: the crashed node is quarantined (and forgets the run's
     # records) within seconds, and on a fresh stack the first status query can come back only after that.
     collector = RecordCollector(client, handle, spec.nodes)
     await wait_for_step(client, handle, 1)
     pids = await rank_pids(client, handle)
-    await wait_for_step(client, handle, 23)  # mid-interval: the steps after 20 will be lost and recomputed
-    # Ranks that die of the lost peer may not flush their last reports, and the crashed node forgets
-    # the run's records once quarantined: hold every node's reports up to here before the kill.
+    # Mid-interval: the steps after 20 will be lost and recomputed. Timed by the nodes' own records,
+    # which the run's progress trails. Ranks that die of the lost peer may not flush their last
+    # reports, and the crashed node forgets the run's records once quarantined: every node's reports
+    # up to here are held before the kill.
     for node in spec.nodes:
         await collector.caught_up(node, 23)
     os.kill(pids["n2"][3], signal.SIGKILL)
