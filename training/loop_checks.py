@@ -70,6 +70,7 @@ class LoopChecks:
         self.own: dict[torch.Tensor, torch.Tensor] = {}  # gradient as this rank computed it, by parameter
         self.passed_through = False  # this step's gradient came through the API before its all-reduce
         self.keeps_own = False  # this step's own gradient is kept: a recomputation check is due
+        self.screen_only = True  # this step's only check is the invariants'
         # This rank's own gradient, bucket by bucket, as it entered the all-reduce: the bucket itself where
         # DDP leaves it as it was until the update (it took the result from elsewhere), else its sum.
         self.local: list[torch.Tensor] = []
@@ -87,7 +88,11 @@ class LoopChecks:
 
     def begin(self, step: int) -> None:
         self.step, self.replay, self.replay_of, self.passed_through = step, None, None, False
-        self.keeps_own = self.enabled and (self.guard.self_check_due(step) or self.guard.cross_check_due(step))
+        guard = self.guard
+        due = self.enabled and guard.may_be_due(step)
+        self.keeps_own = due and (guard.self_check_due(step) or guard.cross_check_due(step))
+        # Most steps: no check but the invariants can be due, and no fault is planned.
+        self.screen_only = not (due or self.faults.faults)
         self.updating = True
         self.own.clear()
         self.local.clear()
@@ -129,6 +134,9 @@ class LoopChecks:
         if not (self.enabled and self.updating):  # or not the loop's update: DCP steps a fresh optimizer
             return
         self.updating = False
+        if self.screen_only:
+            self._screen(self.step)
+            return
         step, params = self.step, self.params
         if not self.passed_through:  # one process, or FSDP2: the gradient (shard) as it stands
             grads = [g.to_local() if isinstance(g, DTensor) else g for p in params if (g := p.grad) is not None]

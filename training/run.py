@@ -63,7 +63,7 @@ from stayalive.training.loop_state import LoopState, Stateful
 from stayalive.training.state_checkpointer import open_checkpoints
 from stayalive.training.state_restore import agreed_checkpoint, restore_state
 from stayalive.training.step_reports import StepReports
-from stayalive.training.supervision import Supervision, SupervisionConfig
+from stayalive.training.supervision import NOTHING, Supervision, SupervisionConfig
 
 log = structlog.get_logger()
 
@@ -245,6 +245,8 @@ class Run:
         decision = self.supervision.decide(step, votes)
         self.step = step
         self.reports.add(step, compute_s, time.perf_counter() - self._started, self._loss, self._samples)
+        if decision is NOTHING:  # most steps
+            return step < self.target_step
         if decision.speeds is not None:  # a loop that can split its batch unevenly reads them
             self.speeds = decision.speeds
             log.info("rebalance asked for: run.speeds", speeds=[round(s, 3) for s in decision.speeds])
@@ -311,7 +313,8 @@ class Run:
         """Once per step, where its first collective begins: the compute time the straggler checks
         compare, and where a dying, hanging or slow GPU shows (fault injection)."""
         if self._compute_s is None:
-            self.faults.before_collective(self.step + 1, time.perf_counter() - self._started)
+            if self.faults.faults:
+                self.faults.before_collective(self.step + 1, time.perf_counter() - self._started)
             self._compute_s = time.perf_counter() - self._started  # an injected straggler's too
         return self._compute_s
 

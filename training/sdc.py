@@ -27,7 +27,7 @@ import functools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -88,14 +88,17 @@ def set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
         grad.copy_(part.view_as(grad))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
     """What the invariants say about this step's all-reduced gradient: the same on every rank."""
 
     apply: bool = True  # apply the update
     skipped: str = ""  # why not, when no check failed
     failed: SdcCheck | None = None  # a check failed: stop here, the workflow rolls back
-    reports: list[Anomaly | SdcCheck] = field(default_factory=list)  # what this rank tells its agent
+    reports: tuple[Anomaly | SdcCheck, ...] = ()  # what this rank tells its agent
+
+
+APPLY = Verdict()  # most steps'
 
 
 class SdcGuard:
@@ -110,6 +113,10 @@ class SdcGuard:
         self.norms: deque[float] = deque(maxlen=NORM_HISTORY)
         self.p99 = math.inf  # of `norms`, refreshed every P99_EVERY norms
         self.counted = 0  # norms appended
+
+    def may_be_due(self, step: int) -> bool:
+        """Whether a check besides the invariants can be due at `step` (none is, most steps)."""
+        return step % self.spec.self_check_every == 0 or step % self.spec.cross_check_every == 0
 
     # -- the bitwise self-check ----------------------------------------------------------------------
 
@@ -275,22 +282,21 @@ class SdcGuard:
         if not math.isfinite(norm):
             why = "non-finite loss or gradient"
             own = went_nonfinite()
-            reports: list[Anomaly | SdcCheck] = []
-            if own or (own is None and self.rank == 0):
-                where = f"on rank {self.rank}" if own else "in the all-reduced gradient, from a rank unknown"
-                detail = f"{why} {where}: update skipped"
-                reports.append(self._anomaly(step, "nonfinite", detail, origin_known=own is not None))
-            return Verdict(apply=False, skipped=why, reports=reports)
+            if not (own or (own is None and self.rank == 0)):
+                return Verdict(apply=False, skipped=why)
+            where = f"on rank {self.rank}" if own else "in the all-reduced gradient, from a rank unknown"
+            anomaly = self._anomaly(step, "nonfinite", f"{why} {where}: update skipped", origin_known=own is not None)
+            return Verdict(apply=False, skipped=why, reports=(anomaly,))
         ceiling = self.spec.grad_spike_factor * self.p99
         if norm > ceiling:
             why = f"gradient norm {norm:.3g} > {ceiling:.3g} ({self.spec.grad_spike_factor:g} × the running p99)"
-            spike: list[Anomaly | SdcCheck] = [self._anomaly(step, "grad_spike", f"{why}: update skipped")]
-            return Verdict(apply=False, skipped=why, reports=spike if self.rank == 0 else [])
+            spike = (self._anomaly(step, "grad_spike", f"{why}: update skipped"),)
+            return Verdict(apply=False, skipped=why, reports=spike if self.rank == 0 else ())
         self.norms.append(norm)
         self.counted += 1
         if self.counted >= NORMS_BEFORE_SPIKES and self.counted % P99_EVERY == 0:
             self.p99 = sorted(self.norms)[math.ceil(0.99 * len(self.norms)) - 1]  # nearest rank
-        return Verdict()
+        return APPLY
 
     def _anomaly(
         self, step: int, kind: Literal["nonfinite", "grad_spike"], detail: str, origin_known: bool = True
