@@ -9,6 +9,9 @@ Two measurements, each with real ranks under torchrun (2 ranks, gloo), in one ru
                     ranks' CPU, which on a GPU node it does not). The median of what an API step
                     took more than its plain neighbour, against the median plain step (and the same
                     in the training thread's CPU time, a steadier figure). Bar: the API adds at most 1%.
+                    The plain step between two API steps doubles the time from one to the next, so
+                    the API's reports go every 8 steps, not 16 as at the tiny model's own step time
+                    (training/step_reports.py): the figure carries twice their share.
     checkpoint      a 2-layer 1024-wide MLP with populated AdamW state (25 MB a rank): the seconds a
                     save blocks the loop, through `run.checkpoint()` (host memory, replica, storage,
                     commit): the state dicts' making, and the next update's wait for the copy of their

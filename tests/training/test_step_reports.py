@@ -1,6 +1,7 @@
 """A rank's step reports go to its agent a batch at a time, each step's figures as they were, the
-losses read in one copy; the first step of a generation and whatever precedes another report go at
-once (training/step_reports.py)."""
+losses read in one copy, cut at the same steps on every rank, in smaller batches where steps are
+slow; the first step of a generation, the first after a pause and whatever precedes another report
+go at once (training/step_reports.py)."""
 
 from __future__ import annotations
 
@@ -51,15 +52,35 @@ def test_steps_go_a_batch_at_a_time_in_order_with_their_own_figures(clock: Clock
     assert [r.at for r in sent] == sorted(r.at for r in sent)
 
 
-def test_a_slow_step_goes_once_report_every_s_has_passed(clock: Clock) -> None:
+@pytest.mark.parametrize(
+    ("period_s", "batch"),
+    [(0.01, 16), (0.03, 16), (0.04, 8), (0.1, 4), (0.2, 2), (0.3, 1), (2.0, 1)],
+)
+def test_slower_steps_go_in_smaller_batches_cut_where_every_rank_cuts(
+    clock: Clock, period_s: float, batch: int
+) -> None:
     batches: list[list[StepReport]] = []
     reports = StepReports(rank=0, generation=0, send=batches.append)
-    reports.add(1, 0.01, 0.02, 1.0, [])
-    clock.now += step_reports.REPORT_EVERY_S / 2
-    reports.add(2, 0.01, 0.02, 2.0, [])
-    clock.now += step_reports.REPORT_EVERY_S / 2
-    reports.add(3, 0.01, 0.02, 3.0, [])
-    assert [[r.step for r in b] for b in batches] == [[1], [2, 3]]
+    for step in range(1, 33):
+        reports.add(step, 0.01, period_s, float(step), [])
+        clock.now += period_s
+    assert batch * period_s <= step_reports.REPORT_EVERY_S or batch == 1
+    # After the first step, which goes alone, each batch ends at a multiple of its size: the coarser
+    # cadence's cuts (a multiple of 16) are every finer one's too.
+    assert [[r.step for r in b] for b in batches] == [[1]] + [
+        list(range(max(2, end - batch + 1), end + 1)) for end in range(batch, 33, batch) if end > 1
+    ]
+
+
+def test_the_first_step_after_a_pause_goes_at_once(clock: Clock) -> None:
+    batches: list[list[StepReport]] = []
+    reports = StepReports(rank=0, generation=0, send=batches.append)
+    for step in range(1, 6):
+        reports.add(step, 0.01, 0.02, float(step), [])
+        clock.now += 0.02
+    clock.now += 30.0  # an evaluation between steps, say
+    reports.add(6, 0.01, 0.02, 6.0, [])
+    assert [[r.step for r in b] for b in batches] == [[1], [2, 3, 4, 5, 6]]
 
 
 def test_no_rank_holds_back_a_step_its_agent_gives_up_on() -> None:
