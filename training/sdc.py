@@ -94,7 +94,6 @@ class Verdict:
 
     apply: bool = True  # apply the update
     skipped: str = ""  # why not, when no check failed
-    failed: SdcCheck | None = None  # a check failed: stop here, the workflow rolls back
     reports: tuple[Anomaly | SdcCheck, ...] = ()  # what this rank tells its agent
 
 

@@ -49,8 +49,9 @@ async def test_killed_rank_is_recovered_and_no_sample_is_lost_or_repeated(
 ) -> None:
     # Checkpoints every 20 steps: the kill aims at step 23 and must land before step 40 commits, however
     # late a loaded host lets it come (at every 10 steps, it once came after step 30's checkpoint). Step
-    # reports reach the run up to 16 steps or 0.5 s late (training/step_reports.py): at 50 ms of device
-    # time a step, the 17 steps to step 40 take some 1 s (at 15 ms, a fresh clone's kill came after 40).
+    # reports reach the run up to 16 steps late, at most about 0.5 s (training/step_reports.py): at 50 ms
+    # of device time a step, the 17 steps to step 40 take some 1 s (at 15 ms, a fresh clone's kill came
+    # after 40).
     checkpoint = {"root": str(checkpoint_root), "interval": "20 steps"}
     entrypoint = [*TINY_ENTRYPOINT[:-1], "50"]
     spec = tiny_spec(checkpoint_root, target_step=100, checkpoint=checkpoint, entrypoint=entrypoint)
