@@ -25,7 +25,7 @@ from temporalio import activity
 
 from stayalive.activities.reporting import Heartbeat, signal_run
 from stayalive.activities.telemetry import NodeStreams
-from stayalive.core.checkpoints import ChooseInput, norm_problem
+from stayalive.core.checkpoints import ChooseInput, TestLoad, norm_problem
 from stayalive.core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
 from stayalive.core.fencing import fenced_out
 from stayalive.core.recovery import file_judged
@@ -35,11 +35,10 @@ from stayalive.core.telemetry import CheckpointCommitted, Subscribe
 from stayalive.training.checkpoint import (
     CheckpointError,
     parse_checkpoint_dirname,
+    read_dcp_manifest,
     read_fence,
     within_root,
 )
-from stayalive.training.dcp_format import read_dcp_manifest
-from stayalive.training.validate import TestLoad
 
 log = structlog.get_logger()
 

@@ -15,6 +15,7 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from stayalive.agent.forkserver import ForkServers
 from stayalive.agent.gpu import GpuTelemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
-from stayalive.agent.relay import StoreRelay, loopback_store
+from stayalive.agent.relay import LOOPBACK, StoreRelay
 from stayalive.agent.selftest import SelfTest
 from stayalive.core.access import run_token
 from stayalive.core.control import (
@@ -63,6 +64,14 @@ def _tail(path: Path, offset: int) -> str:
     with open(path, errors="replace") as f:
         f.seek(offset)
         return f.read()
+
+
+def loopback_store() -> dist.TCPStore:
+    """A generation's rendezvous store, on a socket bound to loopback only (agent/relay.py says why;
+    the store takes the socket, and closes it when it goes)."""
+    listener = socket.create_server((LOOPBACK, 0), backlog=1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 def launch_refusal(node: str, request: Prepare) -> str | None:

@@ -2,7 +2,7 @@
 
 torch's TCPStore has no authentication, lists its keys to anyone who asks (`list_keys`), and binds
 every interface of its host when left to itself. So the store a node agent opens listens on loopback
-only (`loopback_store`), and ranks on other hosts reach it through its agent's hub, which carries a
+only (agent/node.py's `loopback_store`), and ranks on other hosts reach it through its agent's hub, which carries a
 connection to it only for a holder of the run's token (core.telemetry.OpenStore). A rank does not
 speak to the hub itself (any torchrun script must run unchanged, and its env:// rendezvous knows only
 MASTER_ADDR:MASTER_PORT): its own node agent listens for it on loopback (`StoreRelay`) and knocks at
@@ -12,10 +12,8 @@ the store's hub on its behalf.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import structlog
-import torch.distributed as dist
 from pydantic import ValidationError
 
 from stayalive.core.access import knock
@@ -26,13 +24,6 @@ log = structlog.get_logger()
 
 LOOPBACK = "127.0.0.1"
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-def loopback_store() -> dist.TCPStore:
-    """A fresh store on a socket bound to loopback (the store takes the socket, and closes it when it goes)."""
-    listener = socket.create_server((LOOPBACK, 0), backlog=1024)
-    port = listener.getsockname()[1]
-    return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 async def splice(a: Connection, b: Connection) -> None:

@@ -49,7 +49,7 @@ from bench.supervision import serve_sink
 from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 
 RANKS = 2
-DEVICE_S = 0.015  # the tiny GPT's simulated device time in the tests (tests/helpers.py)
+DEVICE_S = 0.015  # the tiny GPT's simulated device time in the tests (harness/tiny.py)
 VOCAB = 64
 
 

@@ -43,6 +43,8 @@ from bench.soak_checks import RunVerdict, coverage, judge_faults, uncosted, unva
 from bench.soak_faults import FaultDriver, status_of
 from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, RunPlan, plan
 from bench.soak_report import problems, summary, table
+from harness.records import RecordCollector, sample_tally, step_reports
+from harness.tiny import TINY_ENTRYPOINT, final_state
 from stayalive.core.paging import PagingClass
 from stayalive.core.run import CheckpointRecord, RunResult, RunState
 from stayalive.core.spec import RunSpec
@@ -53,7 +55,6 @@ from stayalive.workers.secret import SECRET_ENV, create_secret
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
-from tests.helpers import TINY_ENTRYPOINT, RecordCollector, final_state, sample_tally, step_reports
 
 REPO = Path(__file__).resolve().parent.parent
 NODES, SPARES = ["n1", "n2"], ["n3", "n4"]

@@ -16,12 +16,12 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 
 from bench.soak_plan import PlannedFault, RunPlan
+from harness.records import hubs, subscribe
 from stayalive.core.run import RunStatus
 from stayalive.core.telemetry import NodeSteps, Record, Subscribe
 from stayalive.workers.devstack import DevStack
 from stayalive.workers.netns import Partitionable
 from stayalive.workflows.run import DrainNode, RunWorkflow
-from tests.helpers import hubs, subscribe
 
 PARTITIONED = "n2"  # the node whose agent lives in a network namespace, where one can be made
 DOWN_S = 2.0  # how long a killed supervisor or server stays down

@@ -25,8 +25,7 @@ from typing import Any
 
 from stayalive.core.telemetry import StepReport
 from stayalive.training import train
-from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname
-from stayalive.training.dcp_format import read_dcp_manifest
+from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_dcp_manifest
 from stayalive.training.run import Run
 
 

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 from stayalive.core.run import CheckpointRecord
 
 # Parameters move slowly between two checkpoints; a jump past this factor is corruption that digests
-# cannot see (seed 003 §7, failure 4: "norms have jumped 100×").
+# cannot see: digests confirm what was read is what was written, not that it was sane (docs/architecture.md §8).
 NORM_BAND = 2.0
 
 
@@ -35,3 +35,12 @@ class ChooseInput(BaseModel):
     known: list[str]  # names (step-…-g…) of the checkpoints the workflow has already judged
     reference: CheckpointRecord | None
     validation: list[str] = []  # CheckpointSpec.validation
+
+
+class TestLoad(BaseModel):
+    """The verdict of a checkpoint's test load, as its process (training/validate.py) answers it."""
+
+    ok: bool
+    problems: list[str] = []
+    param_norm: float | None = None
+    step: int | None = None

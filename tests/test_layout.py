@@ -7,7 +7,6 @@ import ast
 import graphlib
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.helpers import ROOT
 
@@ -35,8 +34,57 @@ def test_no_workflow_module_imports_a_module_that_imports_it() -> None:
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError, naming the cycle
 
 
-def test_workflow_modules_do_not_load_torch() -> None:
-    modules = ", ".join(f"stayalive.workflows.{p.stem}" for p in sorted(Path(ROOT / "workflows").glob("*.py")))
-    probe = f"import sys, {modules}; print('torch' in sys.modules)"
-    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert loaded.stdout.strip() == "False", loaded.stderr
+# Torch is where tensors are: the ranks (training/) and the node agent's parts that start them, open
+# their rendezvous store and test a GPU. Everything else (workflows, loaded into the sandbox of every
+# workflow task; the supervisor's activities; the simulator; the agent's hub) runs without it.
+LOADS_TORCH = {"agent/node.py", "agent/selftest.py", "workers/node_agent.py"}
+
+
+def torch_free_modules() -> list[str]:
+    paths = [
+        p
+        for folder in ("core", "workflows", "activities", "sim", "workers", "agent")
+        for p in (ROOT / folder).glob("*.py")
+    ]
+    return [
+        f"stayalive.{p.parent.name}.{p.stem}"
+        for p in sorted(paths)
+        if p.stem != "__init__" and str(p.relative_to(ROOT)) not in LOADS_TORCH
+    ]
+
+
+# Run in a fresh interpreter: it imports every torch-free module and names the first import of torch
+# with the chain of product modules that led to it.
+TORCH_PROBE = """
+import importlib, importlib.abc, sys, traceback
+root, *modules = sys.argv[1:]
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            ours = [f for f in traceback.extract_stack()[::-1] if f.filename.startswith(root)]
+            print(" <- ".join(f"{f.filename[len(root):]}:{f.lineno}" for f in ours))
+            sys.exit(0)
+sys.meta_path.insert(0, Spy())
+for module in modules:
+    importlib.import_module(module)
+"""
+
+
+def test_torch_stays_where_tensors_are() -> None:
+    modules = torch_free_modules()
+    assert "stayalive.agent.hub" in modules and "stayalive.sim.month" in modules
+    probe = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE, f"{ROOT}/", *modules], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert probe.stdout.strip() == "", f"torch is imported by: {probe.stdout.strip()}"
+
+
+def test_benches_do_not_import_the_tests() -> None:
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "bench").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests")
+        or (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names))
+    ]
+    assert not importers, f"bench scripts import tests/: {importers}"

@@ -36,8 +36,7 @@ from stayalive.core.faults import (
     WrongRank,
 )
 from stayalive.training import collectives
-from stayalive.training.checkpoint import MANIFEST
-from stayalive.training.dcp_format import dcp_file
+from stayalive.training.checkpoint import MANIFEST, dcp_file
 
 log = structlog.get_logger()
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from stayalive.training.dcp_format import DcpManifest
+from stayalive.training.checkpoint import DcpManifest
 from stayalive.training.rng import reseed, rng_state, set_rng_state
 
 

@@ -9,9 +9,8 @@ While storage is away the tier is the only copy of the checkpoints written since
 checkpoint known whole on storage (the one a restart resumes from: only those are validated) is
 kept besides the newest KEEP, so that a restart during the outage reads it from here.
 
-No rank is told every node's agent (that would grow each launch with the node count): each node's
-local rank 0 publishes its own agent in the generation's rendezvous store, a rank looks up only its
-replica's, and the manifest records which agents hold each shard.
+A rank learns its replica's agent from the generation's store (training/hub_names.py), and the
+manifest records which agents hold each shard.
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ import shutil
 import socket
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import structlog
-import torch.distributed as dist
 from pydantic import ValidationError
 
 from stayalive.core.control import Refused
@@ -39,10 +36,9 @@ log = structlog.get_logger()
 KEEP = 2
 _RUN = re.compile(r"^[a-z0-9][a-z0-9._-]*/[0-9a-f]{8}$")
 _CHECKPOINT = re.compile(r"^step-\d{8}-g\d+$")
-# DCP's files (training/dcp_format.py) and the manifest.
+# DCP's files and the manifest (training/checkpoint.py).
 _FILE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|manifest\.json)$")
 _CHUNK = 1 << 22
-HUBS = "stayalive/hubs"  # in the generation's store: `stayalive/hubs/{node}` → that node's agent
 
 
 @dataclass(frozen=True)
@@ -64,22 +60,6 @@ class MemoryTier:
 def holder(rank: int, world_size: int) -> int:
     """The rank whose node keeps rank `rank`'s replica: rank r keeps the shard of r + W/2 (seed R1)."""
     return (rank - world_size // 2) % world_size
-
-
-def publish_hub(store: dist.Store, node: int, hub: str) -> None:
-    """Name `node`'s agent in this generation's store (once per node: its local rank 0 does it)."""
-    dist.PrefixStore(HUBS, store).set(str(node), hub)
-
-
-def lookup_hub(store: dist.Store, node: int, timeout: timedelta = timedelta(seconds=60)) -> str | None:
-    """`node`'s agent, or None when it published none within `timeout` (a node without an agent)."""
-    hubs = dist.PrefixStore(HUBS, store)
-    try:
-        hubs.wait([str(node)], timeout)
-    except dist.DistStoreError:
-        log.warning("node published no agent: shards replicated there have no replica", node=node)
-        return None
-    return hubs.get(str(node)).decode()
 
 
 def memory_path(root: Path, run_id: str, checkpoint: str, file: str) -> Path:

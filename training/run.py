@@ -53,8 +53,7 @@ from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StorageUnavailable
 from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
-from stayalive.training.checkpoint import CheckpointError, within_root
-from stayalive.training.dcp_format import DcpManifest
+from stayalive.training.checkpoint import CheckpointError, DcpManifest, within_root
 from stayalive.training.faults import FaultInjector
 from stayalive.training.gradient_route import GradientRoute, plain_all_reduce
 from stayalive.training.logs import configure_logging

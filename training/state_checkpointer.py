@@ -11,7 +11,7 @@ step N ─ snapshot: the state dicts made, what is not a tensor of the model's o
                             each file → storage, fsynced, digested, then the commit (training/commit.py)
 
 A loop without an optimizer under the API has no update to wait at: its save waits for the copy.
-DCP brings FSDP2's DTensors and loading at another world size; the manifest (training/dcp_format.py)
+DCP brings FSDP2's DTensors and loading at another world size; the manifest (training/checkpoint.py)
 brings digests, the atomic commit and the memory tier's addresses. Every loop under stayalive, the
 built-in trainer's too, checkpoints this way (training/run.py).
 """
@@ -33,17 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from stayalive.training import memory
-from stayalive.training.checkpoint import checkpoint_dirname
+from stayalive.training import hub_names, memory
+from stayalive.training.checkpoint import DCP_METADATA, DcpManifest, FileRecord, RankRecord, checkpoint_dirname
 from stayalive.training.commit import Committer, committed_key, copy_durably
-from stayalive.training.dcp_format import (
-    DCP_METADATA,
-    DcpManifest,
-    FileRecord,
-    RankRecord,
-    load_dcp_metadata,
-    tensor_entries,
-)
+from stayalive.training.dcp_load import load_dcp_metadata, tensor_entries
 from stayalive.training.faults import FaultInjector
 from stayalive.training.flusher import Flusher
 from stayalive.training.memory import MemoryTier
@@ -259,7 +252,7 @@ def open_checkpoints(
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if config.agent is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        memory.publish_hub(store, rank // ranks_per_node, config.agent)
+        hub_names.publish_hub(store, rank // ranks_per_node, config.agent)
     tier = config.memory_tier(store, rank, world_size, ranks_per_node)
     prefixed = dist.PrefixStore("stayalive/checkpoints", store)
     committer = Committer(config.checkpoint_dir, config.run_id, config.generation, prefixed, tier, faults)

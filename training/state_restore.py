@@ -1,4 +1,4 @@
-"""Restore a DCP checkpoint (training/dcp_format.py) into any world size, host memory first.
+"""Restore a DCP checkpoint (training/checkpoint.py) into any world size, host memory first.
 
 Every rank gathers the whole checkpoint in its node's host-memory tier: the files its node already
 holds, the rest from the agents the manifest lists for them (their writer's and its replica's), each
@@ -24,14 +24,16 @@ import torch.distributed.checkpoint as dcp
 
 from stayalive.core.hangs import Site
 from stayalive.training import collectives, memory
-from stayalive.training.checkpoint import MANIFEST, CheckpointError, parse_sealed, write_atomically
-from stayalive.training.dcp_format import (
+from stayalive.training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
     DcpManifest,
-    SafePlanner,
-    SafeReader,
+    parse_manifest,
     read_dcp_manifest,
     verify_files,
+    write_atomically,
 )
+from stayalive.training.dcp_load import SafePlanner, SafeReader
 from stayalive.training.memory import MemoryTier
 
 log = structlog.get_logger()
@@ -128,7 +130,7 @@ def restore_state(
     which is every rank, calls this); raise CheckpointError for a checkpoint that must not be used."""
     started = time.perf_counter()
     found = manifest_bytes(directory, tier, run_id, rank, world_size, group)
-    manifest = read_dcp_manifest(directory) if found is None else parse_sealed(*found, DcpManifest)
+    manifest = read_dcp_manifest(directory) if found is None else parse_manifest(*found)
     if manifest.run_id != run_id:
         raise CheckpointError(f"{directory.name} is run {manifest.run_id}'s, not {run_id}'s: resume from this run's")
     gathered = _gathered(tier, run_id, directory, manifest)

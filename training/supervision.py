@@ -22,7 +22,7 @@ from stayalive.core.faults import Fault
 from stayalive.core.hangs import Site
 from stayalive.core.spec import SdcSpec
 from stayalive.core.telemetry import Command, Rejoin
-from stayalive.training import collectives, memory
+from stayalive.training import collectives, hub_names, memory
 from stayalive.training.channel import AgentChannel
 from stayalive.training.memory import MemoryTier
 
@@ -80,7 +80,7 @@ class SupervisionConfig:
             return None
         node = rank // ranks_per_node
         replica_node = memory.holder(rank, world_size) // ranks_per_node
-        replica = memory.lookup_hub(store, replica_node) if replica_node != node else None
+        replica = hub_names.lookup_hub(store, replica_node) if replica_node != node else None
         return MemoryTier(directory=self.memory_dir, hub=self.agent, replica_hub=replica, token=self.run_token)
 
 

@@ -2,7 +2,7 @@
 directory per line on stdin and answers one JSON verdict per line on stdout.
 
 A separate process, because the load must not borrow anything from the process that wrote it. A
-checkpoint (DCP's files and stayalive's manifest, training/dcp_format.py) needs no model to be
+checkpoint (DCP's files and stayalive's manifest, training/checkpoint.py) needs no model to be
 judged: the run's own check (CheckpointSpec.validation) can load it into one. A long-lived process,
 because importing torch for every checkpoint would cost more than loading it.
 """
@@ -15,24 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel
 
-from stayalive.training.checkpoint import CheckpointError
-from stayalive.training.dcp_format import (
-    DCP_METADATA,
-    load_dcp_metadata,
-    load_dcp_tensors,
-    read_dcp_manifest,
-    tensor_entries,
-    verify_files,
-)
-
-
-class TestLoad(BaseModel):
-    ok: bool
-    problems: list[str] = []
-    param_norm: float | None = None
-    step: int | None = None
+from stayalive.core.checkpoints import TestLoad
+from stayalive.training.checkpoint import DCP_METADATA, CheckpointError, read_dcp_manifest, verify_files
+from stayalive.training.dcp_load import load_dcp_metadata, load_dcp_tensors, tensor_entries
 
 
 def test_load(directory: Path) -> TestLoad:

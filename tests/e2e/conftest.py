@@ -10,9 +10,10 @@ import pytest
 import torch
 from temporalio.client import Client, WorkflowFailureError
 
+from harness.tiny import REFERENCE_STEPS, final_state
 from stayalive.core.run import RunState
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import REFERENCE_STEPS, final_state, start, tiny_spec, wait_for_fleet
+from tests.helpers import start, tiny_spec, wait_for_fleet
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.spec import RunSpec
-from tests.helpers import TINY_ENTRYPOINT, tiny_spec
+from tests.helpers import tiny_spec
 
 HEALTH: dict[str, object] = {"baseline_windows": 2, "straggler_steps": 20}
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 from temporalio.client import Client
 
+from harness.tiny import REFERENCE_STEPS as TARGET
+from harness.tiny import final_state
 from stayalive.core.run import Cause, RunState
-from stayalive.training.dcp_format import dcp_file
+from stayalive.training.checkpoint import dcp_file
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import REFERENCE_STEPS as TARGET
-from tests.helpers import assert_bitwise_equal, final_state, rank_pids, start, tiny_spec, wait_until
+from tests.helpers import assert_bitwise_equal, rank_pids, start, tiny_spec, wait_until
 
 
 async def test_killed_three_times_ends_bitwise_identical(

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from harness.records import RecordCollector, step_reports
 from stayalive.core.escalation import Strategy, rebalance
 from stayalive.core.run import RunState
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import RecordCollector, start, step_reports, tiny_spec, wait_until
+from tests.helpers import start, tiny_spec, wait_until
 
 # The straggler slows device time only. At 60 ms it is most of a step, so the throughput the straggler
 # takes (and S2 wins back) stands well above the jitter of four ranks sharing two cores: with 30 ms, a

@@ -12,19 +12,13 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from harness.records import RecordCollector, step_reports
+from harness.tiny import final_state
 from stayalive.core.run import Cause, RunState
-from stayalive.training.dcp_format import read_dcp_manifest
+from stayalive.training.checkpoint import read_dcp_manifest
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.e2e.examples import FSDP2, NANOGPT, Example, losses_as_they_stand
-from tests.helpers import (
-    RecordCollector,
-    assert_bitwise_equal,
-    final_state,
-    rank_pids,
-    start,
-    step_reports,
-    wait_until,
-)
+from tests.helpers import assert_bitwise_equal, rank_pids, start, wait_until
 
 pytestmark = pytest.mark.parametrize("example", [NANOGPT, FSDP2], ids=lambda e: e.name)
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle
 
+from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.run import Cause, RunState
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.dashboard import dashboard_uses, exposition, load_dashboard
-from tests.helpers import TINY_ENTRYPOINT, start, tiny_spec, wait_for_step, wait_until
+from tests.helpers import start, tiny_spec, wait_for_step, wait_until
 
 # Simulated device time keeps compute steady enough on two cores for the straggler check: at 20 ms
 # the real compute of four ranks sharing two cores jitters as much as a 1.5× straggler stands out.

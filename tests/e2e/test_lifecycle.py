@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 
+from harness.records import RecordCollector, samples_once, step_reports
 from stayalive.activities.fleet import FleetClient
 from stayalive.core.fleet import NodeState
 from stayalive.core.fleet_requests import Acquire, Release
@@ -17,13 +18,10 @@ from stayalive.workers.devstack import DevStack
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.helpers import (
-    RecordCollector,
     activity_log,
     fleet_nodes,
     rank_pids,
-    samples_once,
     start,
-    step_reports,
     tiny_spec,
     wait_for_fleet,
     wait_for_step,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from harness.records import RecordCollector, samples_once, step_reports
+from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.fencing import FENCE_FILE
 from stayalive.core.run import Cause, RunState
 from stayalive.core.spec import RunSpec
@@ -24,18 +26,7 @@ from stayalive.workers.netns import Partitionable, usable
 from stayalive.workers.secret import SECRET_ENV, create_secret
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import (
-    ROOT,
-    TINY_ENTRYPOINT,
-    RecordCollector,
-    rank_pids,
-    samples_once,
-    start,
-    step_reports,
-    tiny_spec,
-    wait_for_step,
-    wait_until,
-)
+from tests.helpers import ROOT, rank_pids, start, tiny_spec, wait_for_step, wait_until
 
 pytestmark = pytest.mark.skipif(usable() is not None, reason=f"a real partition: {usable()}")
 

@@ -9,18 +9,11 @@ from pathlib import Path
 import torch
 from temporalio.client import Client
 
+from harness.tiny import REFERENCE_STEPS, TINY_ENTRYPOINT, checkpoint_state, final_state
 from stayalive.core.run import Cause, RunState
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import (
-    REFERENCE_STEPS,
-    TINY_ENTRYPOINT,
-    assert_bitwise_equal,
-    checkpoint_state,
-    final_state,
-    start,
-    tiny_spec,
-)
+from tests.helpers import assert_bitwise_equal, start, tiny_spec
 
 
 async def test_a_transient_bit_flip_rolls_back_to_the_verified_ancestor_and_ends_bitwise_clean(

@@ -12,12 +12,14 @@ import pytest
 import torch
 from temporalio.client import Client
 
+from harness.records import RecordCollector
+from harness.tiny import REFERENCE_STEPS as TARGET
+from harness.tiny import final_state
 from stayalive.core.paging import PagingClass
 from stayalive.core.run import RunState
 from stayalive.core.telemetry import RankExited, StorageUnavailable
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import REFERENCE_STEPS as TARGET
-from tests.helpers import RecordCollector, Webhook, assert_bitwise_equal, final_state, start, tiny_spec
+from tests.helpers import Webhook, assert_bitwise_equal, start, tiny_spec
 
 # From halfway through step 20's write. The run's 60 steps take a second or two, so storage comes back
 # after the last one: the final checkpoint waits for it, and every checkpoint between supersedes the

@@ -10,22 +10,13 @@ from pathlib import Path
 
 from temporalio.client import Client
 
+from harness.records import RecordCollector, step_reports
+from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.run import Cause, RunResult, RunState
 from stayalive.core.telemetry import StepReport
 from stayalive.workers.devstack import DevStack, temporal_binary
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import (
-    ROOT,
-    TINY_ENTRYPOINT,
-    RecordCollector,
-    rank_pids,
-    start,
-    step_reports,
-    tiny_spec,
-    wait_for_step,
-    wait_until,
-    workflow_id,
-)
+from tests.helpers import ROOT, rank_pids, start, tiny_spec, wait_for_step, wait_until, workflow_id
 
 
 def final_lineage_samples(reports: list[StepReport], result: RunResult, target: int) -> dict[int, list[int]]:

@@ -13,21 +13,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
+from harness.records import RecordCollector, samples_once, step_reports
 from stayalive.core.run import Cause, RunState
 from stayalive.core.spec import RunSpec
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import DrainNode, RunWorkflow
-from tests.helpers import (
-    RecordCollector,
-    activity_log,
-    rank_pids,
-    samples_once,
-    start,
-    step_reports,
-    wait_for_fleet,
-    wait_for_step,
-    wait_until,
-)
+from tests.helpers import activity_log, rank_pids, start, wait_for_fleet, wait_for_step, wait_until
 
 NODES = [f"w{i}" for i in range(1, 8)]
 GLOBAL_BATCH = 30  # shares evenly among 6 ranks and among 5

@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowHandle
 
+from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.run import Cause, RunResult, RunState, RunStatus
 from stayalive.core.slurm import run_workflow_id
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.temporal import connect, plain
-from tests.helpers import ROOT, TINY_ENTRYPOINT, wait_until
+from tests.helpers import ROOT, wait_until
 from tests.slurm.cluster import SlurmCluster, missing
 
 NODES = ["c1", "c2", "c3"]

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from harness.tiny import checkpoint_state
 from stayalive.agent.hub import NodeHub
 from stayalive.core.access import run_token
 from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE
 from stayalive.core.telemetry import Resumed, StepReport
-from tests.helpers import ROOT, checkpoint_state
+from tests.helpers import ROOT
 
 SECRET = b"test fleet secret, 32 bytes long"
 RUN = "resize/0000abcd"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from stayalive.training import validate
-from stayalive.training.checkpoint import CheckpointError
-from stayalive.training.dcp_format import DCP_METADATA, load_dcp_metadata, read_dcp_manifest
+from stayalive.training.checkpoint import DCP_METADATA, CheckpointError, read_dcp_manifest
+from stayalive.training.dcp_load import load_dcp_metadata
 from stayalive.workers.devstack import free_port
 from tests.helpers import ROOT
 

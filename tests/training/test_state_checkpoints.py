@@ -22,16 +22,18 @@ from stayalive.core.faults import DiskFull, Fault, StorageOutage
 from stayalive.core.fencing import FENCE_FILE
 from stayalive.training import validate as validation
 from stayalive.training.checkpoint import (
+    DCP_METADATA,
     MANIFEST,
     CheckpointError,
     checkpoint_dirname,
+    dcp_file,
     parse_checkpoint_dirname,
+    read_dcp_manifest,
     read_fence,
     within_root,
     write_fence,
 )
 from stayalive.training.commit import Committer
-from stayalive.training.dcp_format import DCP_METADATA, dcp_file, read_dcp_manifest
 from stayalive.training.faults import FaultInjector
 from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 from stayalive.training.memory import MemoryTier

@@ -24,8 +24,7 @@ from stayalive.core.access import run_token
 from stayalive.core.faults import DiskFull, Fault
 from stayalive.core.telemetry import CheckpointCommitted, Resumed, StorageUnavailable
 from stayalive.training import validate
-from stayalive.training.checkpoint import MANIFEST, checkpoint_dirname
-from stayalive.training.dcp_format import DCP_METADATA, dcp_file, read_dcp_manifest
+from stayalive.training.checkpoint import DCP_METADATA, MANIFEST, checkpoint_dirname, dcp_file, read_dcp_manifest
 from stayalive.training.memory import memory_path
 from tests.helpers import ROOT
 

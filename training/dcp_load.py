@@ -1,122 +1,28 @@
-"""The checkpoint format of the public training API: `torch.distributed.checkpoint` (DCP) files under
-stayalive's manifest.
-
-    <root>/<run>/step-00000400-g1/
-        manifest.json        step, world size, every file's size and SHA-256 and the node agents that
-                             hold it in host memory, the DCP keys with their shapes and dtypes
-        .metadata            DCP's plan of where each tensor's chunks lie (written by rank 0)
-        __0_0.distcp ...     each rank's share of the state, as DCP writes it (sharded or deduplicated),
-                             and its own state under `ranks/<rank>/`: RNG streams, data loader position
+"""Reading a checkpoint's tensors without running its code (the format: training/checkpoint.py).
 
 DCP brings what a user's state needs: any nesting, FSDP2's DTensors, and loading at another world
 size (resharded). stayalive adds what DCP lacks: the atomic commit, digests, the host-memory tier and
 its replica, and loading that never runs code. DCP unpickles its `.metadata` and `torch.load`s
 non-tensor values with `weights_only=False`; here every file is checked against the sealed manifest
-first, `.metadata` goes through an unpickler that builds DCP's own metadata classes and nothing else,
-and non-tensor values load with `weights_only=True`.
+first (`verify_files`), `.metadata` goes through an unpickler that builds DCP's own metadata classes
+and nothing else, and non-tensor values load with `weights_only=True`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from stayalive.training.checkpoint import CheckpointError, read_sealed, sha256_file
-
-FORMAT: Literal["stayalive-dcp/1"] = "stayalive-dcp/1"
-DCP_METADATA = ".metadata"
-
-
-def dcp_file(rank: int) -> str:
-    """The file DCP's FileSystemWriter writes `rank`'s share into (one file: one writer thread)."""
-    return f"__{rank}_0.distcp"
-
-
-class FileRecord(BaseModel):
-    file: str
-    rank: int  # the rank that wrote it
-    size: int
-    sha256: str
-    hubs: list[str] = []  # node agents whose host-memory tier holds a copy, in the order a restore asks them
-
-
-class RankRecord(BaseModel):
-    rank: int
-    files: list[FileRecord]
-    blocking_s: float
-
-
-class TensorEntry(BaseModel):
-    """A tensor of the saved state as DCP recorded it: what a test load must read back."""
-
-    shape: list[int]
-    dtype: str
-
-
-class DcpManifest(BaseModel):
-    format: Literal["stayalive-dcp/1"] = FORMAT
-    run_id: str
-    step: int
-    generation: int
-    world_size: int
-    config_digest: str
-    created_at: float
-    last_verified_step: int = 0
-    tensors: dict[str, TensorEntry]
-    ranks: list[RankRecord]
-    digest: str = ""
-
-    def body_digest(self) -> str:
-        body = self.model_dump(exclude={"digest"})
-        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-    def sealed(self) -> DcpManifest:
-        return self.model_copy(update={"digest": self.body_digest()})
-
-    def files(self) -> list[FileRecord]:
-        return [f for r in self.ranks for f in r.files]
-
-    @property
-    def blocking_s(self) -> float:
-        return max(r.blocking_s for r in self.ranks)
-
-
-def read_dcp_manifest(directory: Path) -> DcpManifest:
-    return read_sealed(directory, DcpManifest)
-
-
-def verify_files(directory: Path, manifest: DcpManifest) -> list[str]:
-    """Every file present with the size and SHA-256 the manifest promises, and DCP's metadata among
-    them, and every rank of the saved world accounted for. Returns the problems."""
-    problems = []
-    if sorted(r.rank for r in manifest.ranks) != list(range(manifest.world_size)):
-        problems.append(f"manifest accounts for {len(manifest.ranks)} ranks of {manifest.world_size}")
-    if DCP_METADATA not in {f.file for f in manifest.files()}:
-        problems.append(f"manifest lists no {DCP_METADATA}: DCP cannot find the state's chunks")
-    for record in manifest.files():
-        path = directory / record.file
-        if not path.is_file():
-            problems.append(f"{record.file} is missing")
-        elif (size := path.stat().st_size) != record.size:
-            problems.append(f"{record.file} is {size} bytes, manifest says {record.size} (truncated or overwritten)")
-        elif sha256_file(path) != record.sha256:
-            problems.append(f"{record.file} does not match its SHA-256 (corrupted on storage)")
-    return problems
-
-
-# -- loading that runs no code ---------------------------------------------------------------------
+from stayalive.training.checkpoint import DCP_METADATA, CheckpointError, TensorEntry
 
 _METADATA_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
