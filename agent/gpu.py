@@ -2,7 +2,7 @@
 
 - `NvmlTelemetry` reads the node's GPUs through NVML (pynvml, from nvidia-ml-py);
 - `SimulatedTelemetry` returns healthy readings, changed by the telemetry faults currently injected
-  (DESIGN §9), so the whole path from a hot GPU to a verdict runs on a machine without one.
+  (docs/architecture.md §15), so the whole path from a hot GPU to a verdict runs on a machine without one.
 
 `gpu_telemetry` picks NVML when it initializes and sees a device, else the simulated source.
 """

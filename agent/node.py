@@ -293,7 +293,7 @@ class NodeAgent:
 
     async def sample_gpus(self, telemetry: GpuTelemetry, every: float = 2.0) -> None:
         """Read this host's GPUs every few seconds into each run's telemetry: the run monitor diagnoses
-        a straggler from them (seed R2)."""
+        a straggler from them (docs/architecture.md §11)."""
         while True:
             readings = await asyncio.to_thread(telemetry.read)
             for run_id, processes in self.ranks.items():

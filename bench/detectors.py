@@ -1,4 +1,4 @@
-"""What the run monitor's per-step path costs at the seed's 16,384 ranks (2,048 nodes × 8 ranks).
+"""What the run monitor's per-step path costs at 16,384 ranks (2,048 nodes × 8 ranks).
 
 Timed per step, in CPU time of this thread on one pinned core, as the monitor runs it:
 
@@ -12,7 +12,7 @@ Timed per step, in CPU time of this thread on one pinned core, as the monitor ru
 Not timed: the sockets' I/O (reading 2,048 hub streams and cutting them into frames: the frames
 arrive here as ready-made `bytes`), the events the monitor signals, and everything on the nodes
 (`StepBatcher`, `pack_steps`). The bar: the whole path under 5 ms of CPU per step at p99, so that at
-~2 s per step (seed 003 §2) the monitor spends a quarter of a percent of one core on it. CPU time is
+~2 s per step (docs/architecture.md §16) the monitor spends a quarter of a percent of one core on it. CPU time is
 the bar because it is what the path costs; wall time is shown beside it, and its p99 also counts
 every moment another process held the core (the JSON line carries the load average).
 

@@ -1,9 +1,10 @@
 """30 days of one run, through the real RunWorkflow and FleetWorkflow under the time-skipping test
 server (sim/month.py): at 1,024 GPUs (128 nodes × 8) and, without --quick, 16,384 (2,048 × 8), with
-failures drawn from the Llama 3 405B mix (sim/failure_mix.py); then seed 003's own table, a run of
-crashes only with C = 30 s, R = 600 s and M = 3.093 h, at Daly's interval and at a fixed 30 minutes.
+failures drawn from the Llama 3 405B mix (sim/failure_mix.py); then the reference table of
+docs/architecture.md §14, a run of crashes only with C = 30 s, R = 600 s and M = 3.093 h, at Daly's
+interval and at a fixed 30 minutes.
 
-Per run: the goodput ledger by category; the overhead seed 003's formula, C/T + (T/2)/M + R/M,
+Per run: the goodput ledger by category; the overhead that the equation C/T + (T/2)/M + R/M (§14)
 predicts for the run's own measured C, M, R and T beside the simulated one (both over the time the
 run was exposed to failure: wall-clock less its first startup and the restarts of planned drains);
 every interval chosen after the first interruption against Daly's for the C and M measured then;
@@ -48,11 +49,11 @@ from stayalive.sim.month import (
 from stayalive.workers.report import write_report
 
 DAYS = 30
-SEED = 3
-SEED_TABLE_MTBF_S = 3.093 * 3600  # seed 003: Llama 3's 54 days over 419 interruptions at 16,384 GPUs
-SEED_TABLE = {"daly": 12.73, "30min": 15.14}  # seed 003 §6, percent
+DRAW_SEED = 3
+REFERENCE_MTBF_S = 3.093 * 3600  # Llama 3's 54 days over 419 interruptions at 16,384 GPUs
+REFERENCE_TABLE = {"daly": 12.73, "30min": 15.14}  # the reference table, percent (docs/architecture.md §14)
 OVERHEAD_GAP_POINTS = 1.0
-SEED_TABLE_GAP_POINTS = 0.5
+REFERENCE_GAP_POINTS = 0.5
 INTERVAL_ERROR = 0.10
 BUDGET_EVENTS = 50
 PAYLOAD_LIMIT = 256 * 1024
@@ -66,18 +67,18 @@ def mix_month(nodes: int) -> Month:
     mix = load_mix()
     m = mix.mtbf_hours(gpus) * 3600
     predicted = overhead(BLOCKING_S, daly(BLOCKING_S, m), m, STARTUP_S)
-    draws = draw(mix, gpus, days=DAYS * 1.5, seed=SEED, nodes=nodes)  # training time to spare
+    draws = draw(mix, gpus, days=DAYS * 1.5, seed=DRAW_SEED, nodes=nodes)  # training time to spare
     return Month(f"month-{gpus}", nodes, draws, target_step=round(DAYS * DAY_S * (1 - predicted) / STEP_S))
 
 
-def seed_month(interval: str, key: str) -> Month:
-    """Seed 003's table: crashes only, a fixed count at M = 3.093 h, over the training a month holds."""
-    m, r = SEED_TABLE_MTBF_S, STARTUP_S
+def reference_month(interval: str, key: str) -> Month:
+    """The reference table: crashes only, a fixed count at M = 3.093 h, over the training a month holds."""
+    m, r = REFERENCE_MTBF_S, STARTUP_S
     period = daly(BLOCKING_S, m) if interval == "auto" else 1800.0
-    target = round(DAYS * DAY_S * (1 - SEED_TABLE[key] / 100) / STEP_S)
+    target = round(DAYS * DAY_S * (1 - REFERENCE_TABLE[key] / 100) / STEP_S)
     training = target * STEP_S / (1 - (period / 2) / (m - r))  # the steps, and the work redone after each crash
-    draws = crashes_every(m, r, training, seed=SEED)
-    return Month(f"seed-table-{key}", 128, draws, target_step=target, interval=interval, prior_mtbf_s=m)
+    draws = crashes_every(m, r, training, seed=DRAW_SEED)
+    return Month(f"reference-{key}", 128, draws, target_step=target, interval=interval, prior_mtbf_s=m)
 
 
 def figures(ran: MonthRan, out: Path) -> dict[str, object]:
@@ -126,11 +127,12 @@ def figures(ran: MonthRan, out: Path) -> dict[str, object]:
     }
 
 
-def seed_table(rows: dict[str, dict[str, object]]) -> dict[str, object]:
+def reference_table(rows: dict[str, dict[str, object]]) -> dict[str, object]:
     table: dict[str, object] = {}
-    for key, seed in SEED_TABLE.items():
+    for key, expected in REFERENCE_TABLE.items():
         simulated = float(rows[key]["overhead_simulated_pct"])  # type: ignore[arg-type]
-        table[key] = {"seed_pct": seed, "simulated_pct": simulated, "gap_points": round(simulated - seed, 2)}
+        gap = round(simulated - expected, 2)
+        table[key] = {"reference_pct": expected, "simulated_pct": simulated, "gap_points": gap}
     return table
 
 
@@ -138,13 +140,17 @@ async def main(quick: bool, out: Path) -> dict[str, object]:
     server = Path(sys.executable).parent / "temporal-test-server"
     began = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="bench-month-"))
-    months = {"daly": seed_month("auto", "daly"), "30min": seed_month("1800s", "30min"), "1024": mix_month(128)}
+    months = {
+        "daly": reference_month("auto", "daly"),
+        "30min": reference_month("1800s", "30min"),
+        "1024": mix_month(128),
+    }
     if not quick:
         months["16384"] = mix_month(2048)
     ran = {key: await simulate(month, root / key, server) for key, month in months.items()}
     rows = {key: figures(r, out) for key, r in ran.items()}
     mix = [rows[k] for k in ("1024", "16384") if k in rows]
-    table = seed_table(rows)
+    table = reference_table(rows)
     seconds = time.monotonic() - began
     line: dict[str, object] = {
         "bench": "month",
@@ -153,11 +159,11 @@ async def main(quick: bool, out: Path) -> dict[str, object]:
         "completed": all(bool(r["completed"]) for r in rows.values()),
         "overhead_gap_points": max((float(r["overhead_gap_points"]) for r in mix), key=abs),  # type: ignore[arg-type]
         "interval_error_max": max(float(r["interval_error_max"]) for r in rows.values()),  # type: ignore[arg-type]
-        "seed_table_gap_points": max((float(t["gap_points"]) for t in table.values()), key=abs),  # type: ignore[index]
+        "reference_gap_points": max((float(t["gap_points"]) for t in table.values()), key=abs),  # type: ignore[index]
         "events_per_interruption_max": max(int(r["events_per_interruption_max"]) for r in rows.values()),  # type: ignore[call-overload]
         "payload_max_bytes": max(int(r["payload_max_bytes"]) for r in rows.values()),  # type: ignore[call-overload]
         "failed_self_test_came_back": sum(int(r["failed_self_test_came_back"]) for r in rows.values()),  # type: ignore[call-overload]
-        "seed_table": table,
+        "reference_table": table,
         "runs": list(rows.values()),
         "seconds": round(seconds, 1),
     }
@@ -165,7 +171,7 @@ async def main(quick: bool, out: Path) -> dict[str, object]:
         line["completed"]
         and abs(line["overhead_gap_points"]) <= OVERHEAD_GAP_POINTS  # type: ignore[arg-type]
         and line["interval_error_max"] <= INTERVAL_ERROR  # type: ignore[operator]
-        and abs(line["seed_table_gap_points"]) <= SEED_TABLE_GAP_POINTS  # type: ignore[arg-type]
+        and abs(line["reference_gap_points"]) <= REFERENCE_GAP_POINTS  # type: ignore[arg-type]
         and line["events_per_interruption_max"] <= BUDGET_EVENTS  # type: ignore[operator]
         and line["payload_max_bytes"] <= PAYLOAD_LIMIT  # type: ignore[operator]
         and line["failed_self_test_came_back"] == 0
@@ -194,12 +200,12 @@ def show(rows: dict[str, dict[str, object]], table: dict[str, object]) -> None:
             str(r["events_per_interruption_max"]),
         )
     console.print(runs)
-    console.print(f"seed 003's table: {table}")
+    console.print(f"reference table (docs/architecture.md §14): {table}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1,024 GPUs and the seed's table only")
+    parser.add_argument("--quick", action="store_true", help="1,024 GPUs and the reference table only")
     parser.add_argument("--out", type=Path, default=Path(".stayalive") / "bench-month", help="where the plots go")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(main(args.quick, args.out))), flush=True)

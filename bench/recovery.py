@@ -11,7 +11,7 @@ with the same injected crash (core/faults.py: rank 3 exits with 137 in the middl
   torchrun   `python -m torch.distributed.run --nnodes 1 --nproc-per-node 4 --max-restarts 3` of
              bench/torchrun_worker.py (training.train, resuming from the newest checkpoint when
              restarted), with a c10d rendezvous and a fresh store per attempt: with the shared store it
-             hangs in gloo connect on restart (FIELD-NOTES, pytorch#135712). R is from the crashing
+             hangs in gloo connect on restart (pytorch#135712). R is from the crashing
              rank's "injected crash" log line, just before it exits, to the newest first-step time of
              the restarted ranks.
 

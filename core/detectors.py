@@ -1,4 +1,4 @@
-"""The detectors of failures that do not announce themselves (seed 003 §7; DESIGN §5): a straggler
+"""The detectors of failures that do not announce themselves (docs/architecture.md §9): a straggler
 relative to its peers, a slowdown of every rank at once against healthy runs, a hang, and the rank
 a hang's stack dumps point at.
 
@@ -21,21 +21,21 @@ from stayalive.core.fleet import MAD_TO_SIGMA
 
 # ── relative: one rank against its peers ─────────────────────────────────────────────────────────────
 
-STRAGGLER_SIGMA = 3.0  # seed 003 §7: z > 3
-# k consecutive steps is k step-times of sustained slowness before an eviction is considered: the
-# seed's 100 is 200 s at ~2 s/step; 20 keeps detection within seconds on sub-second simulated steps.
+STRAGGLER_SIGMA = 3.0  # robust z > 3 (docs/architecture.md §9, §16)
+# k consecutive steps is k step-times of sustained slowness before an eviction is considered: 100 would
+# be 200 s at ~2 s/step; 20 keeps detection within seconds on sub-second simulated steps (docs/architecture.md §16).
 # Noise cannot fake it: P(z > 3) ≈ 0.00135 per independent step, so a run of 20 is ~1e-57.
 STRAGGLER_STEPS = 20
 # Below 5% excess an eviction does not pay: payback = R / excess = 600 s / 0.05 = 200 min, longer than
-# the 3.1 h between interruptions at 16k GPUs (seed 003 §2), so a restart comes sooner anyway.
+# the 3.1 h between interruptions at 16k GPUs (Llama 3, arXiv:2407.21783), so a restart comes sooner.
 STRAGGLER_MIN_EXCESS = 0.05
 # MAD is 0 when every rank reports the same time (a simulator, coarse timers); with no floor any rank
 # 1 µs slower would get z = ∞. 1% of the median is below the rank-to-rank jitter of real GPUs (a few
 # percent), so it binds only on near noise-free inputs, and keeps z finite and comparable there.
 MAD_FLOOR = 0.01
-# Each rank's compute time is first taken as its median over the last 5 steps (seed 003 §4 keeps a
-# per-rank step_time_ewma; a rolling median does the same job and a single GC pause, page fault or
-# scheduler hiccup of any rank moves it not at all). Sustained slowness passes through 3 steps late.
+# Each rank's compute time is first taken as its median over the last 5 steps: a rolling median smooths
+# as an EWMA of step time would, and a single GC pause, page fault or scheduler hiccup of any rank moves
+# it not at all. Sustained slowness passes through 3 steps late.
 SMOOTH_STEPS = 5
 
 
@@ -59,8 +59,8 @@ class RelativeStraggler:
     by enough to matter". One step over the line is a GC pause or a page fault; `k` in a row is not.
 
     Needs three ranks or more: of two, each sits one MAD from their median. Blind by construction to
-    every rank slowing at once (seed 000): that is `AbsoluteSlowdown`'s job. One detector per
-    generation: a resize changes what a rank index means.
+    every rank slowing at once: that is `AbsoluteSlowdown`'s job (docs/architecture.md §9). One
+    detector per generation: a resize changes what a rank index means.
     """
 
     def __init__(
@@ -258,10 +258,10 @@ class AbsoluteSlowdown:
 
 # ── hang: progress, not liveness ─────────────────────────────────────────────────────────────────────
 
-HANG_FACTOR = 3.0  # seed 003 §7: 3 × p99 step time
+HANG_FACTOR = 3.0  # 3 × p99 step time (docs/architecture.md §9, §16)
 # A 50 ms simulated step gives 3 × p99 = 0.15 s, shorter than telemetry's own trip (the node agent
 # batches, the monitor heartbeats every second) and than one blocking checkpoint copy; 10 s clears
-# both with margin and still names a hang an order of magnitude before the seed's 90 s at scale.
+# both with margin and is a small fraction of the restart a hang costs at scale (docs/architecture.md §16).
 HANG_FLOOR_S = 10.0
 # Until there are MIN_STEP_SAMPLES step times, p99 is the slowest warm-up step (compilation, lazy
 # NCCL connections, allocator growth); this covers the warm-up instead.
@@ -308,7 +308,7 @@ def overdue(now: float, last_progress_at: float, timeout: float) -> bool:
 
 class HangWatchdog:
     """The run's progress watchdog: remembers the last `history` step times and when the newest step
-    completed. A hung rank is alive, so only progress counts (seed 003 §7)."""
+    completed. A hung rank is alive, so only progress counts (docs/architecture.md §9)."""
 
     def __init__(
         self,
@@ -407,8 +407,8 @@ def _program(frames: list[Frame]) -> list[Frame]:
 
 
 def culprit(stacks: dict[int, str]) -> list[int]:
-    """The ranks whose main-thread stack differs from a clear majority's (seed 003 §7: with every rank
-    in the same collective, the one whose stack is different is the culprit).
+    """The ranks whose main-thread stack differs from a clear majority's (with every rank in the same
+    collective, the one whose stack is different is the culprit: docs/architecture.md §9).
 
     Signatures are (file basename, function) frames, ignoring line numbers and install paths. A rank
     with no Python frames (no dump) has the empty signature, so it stands out too. Returns the ranks

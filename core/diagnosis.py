@@ -1,9 +1,10 @@
-"""Why a flagged node is slow, before anyone evicts it (seed 003 R2; DESIGN §5).
+"""Why a flagged node is slow, before anyone evicts it (docs/architecture.md §11).
 
-Straggler detection says who; GPU health telemetry says why (seed 000), and the why decides the
-remedy: a node whose whole rack runs hot is not fixed by replacing it, the replacement is in the same
-air. The rules are a table read top to bottom; the first that finds evidence decides, and every other
-observation that is worth a look but proves nothing rides along in the evidence as a lead.
+Straggler detection says who; GPU health telemetry (NVML's readings, the fields NVIDIA's DCGM watches)
+says why, and the why decides the remedy: a node whose whole rack runs hot is not fixed by replacing
+it, the replacement is in the same air. The rules are a table read top to bottom; the first that
+finds evidence decides, and every other observation that is worth a look but proves nothing rides
+along in the evidence as a lead.
 
 Pure: readings in, a verdict out. `activities/gpu.py` produces the readings.
 """
@@ -63,7 +64,7 @@ class Limits(BaseModel):
     nvlink_error_band: int = 100
     pcie_replay_band: int = 100
     # Corrected errors are absorbed by ECC at no speed cost, but a climbing count is the usual
-    # prelude to an uncorrectable one (seed 000): a lead, never a verdict on its own.
+    # prelude to an uncorrectable one: a lead, never a verdict on its own.
     ecc_corrected_band: int = 100
     # Past ~90% of line rate a NIC queues; on a NIC shared with another job the collective waits.
     nic_utilization_band: float = Field(default=0.90, gt=0.0, le=1.0)
@@ -252,8 +253,8 @@ def _leads(node: list[GpuHealth], peers: list[GpuHealth], limits: Limits) -> lis
     if hot:
         hottest = max(h.temperature_c or 0.0 for h in hot)
         leads.append(
-            f"{_gpus(hot)} hot (up to {hottest:.0f} °C) but not throttling, so not the cause on its own "
-            "(seed 002: ~0.5% of hot GPUs were actually slow)"
+            f"{_gpus(hot)} hot (up to {hottest:.0f} °C) but not throttling, so not the cause on its own: "
+            "a GPU that heat slows throttles, and says so"
         )
     rack_reasons = _rack_reasons(peers, limits)
     shared_cap = [h for h in _throttled(node) if h.throttle_reasons <= rack_reasons - HEAT]

@@ -1,8 +1,8 @@
-"""What to do about a straggler, as ski rental (seed 002): S1 nothing → S2 rebalance micro-batches →
-S3 re-place → S4 evict and restart, one rung at a time.
+"""What to do about a straggler, as ski rental: S1 nothing → S2 rebalance micro-batches → S3 re-place →
+S4 evict and restart, one rung at a time (FALCON, arXiv:2410.12588; docs/architecture.md §11).
 
-How long a slow-failure will last is unknowable when it starts (the mean is 72 min, and a GPT2-100B
-checkpoint dump alone takes 100), so the ladder does not predict it. It reacts to cost already paid:
+How long a slow-failure will last is unknowable when it starts (FALCON measured a mean of 72 min, and a
+GPT2-100B checkpoint dump alone takes 100), so the ladder does not predict it. It reacts to cost already paid:
 the straggler's "rent" is the progress it takes while the run keeps the current strategy, and the
 run "buys" the next rung once the rent paid since the current one began exceeds that rung's price.
 For a rung that ends the slowdown, that never costs more than twice what hindsight would have paid,
@@ -120,7 +120,7 @@ class Escalation(BaseModel):
     node: str
     rack: str
     ratio: float
-    verdict: Verdict | None  # seed R2's diagnosis of the node, when it had GPU telemetry
+    verdict: Verdict | None  # the node's diagnosis (core/diagnosis.py), when it had GPU telemetry
     strategy: Strategy = Strategy.S1_NOTHING
     paid_before_s: float  # RunStatus.straggler_seconds when the current rung began: rent is paid since
     settled: str | None = None  # why the climb ended: "evicted" (outcome pending), or refused and why

@@ -1,4 +1,4 @@
-"""Whether to evict a straggler's node (seed 003 R2): only when the diagnosis says eviction helps,
+"""Whether to evict a straggler's node (docs/architecture.md §11): only when the diagnosis says eviction helps,
 only when it pays back before the run ends, and never faster than a person can follow.
 
 The payback counts the chance that the replacement is healthy, measured from the fleet's past
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from stayalive.core.diagnosis import Diagnosis, Verdict
 from stayalive.core.fleet import EvictionOutcome, p_healthy
 
-# An automatic remediation that can fire repeatedly needs a rate limit on its own authority (R2).
+# An automatic remediation that can fire repeatedly needs a rate limit on its own authority (docs/architecture.md §16).
 EVICTION_SPACING = timedelta(hours=1)
 
 

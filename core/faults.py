@@ -247,7 +247,7 @@ class ThermalThrottle(_TelemetryFault):
 
 
 class HotAmbient(_TelemetryFault):
-    """Hot, but within what the GPU tolerates: no throttling (seed 002: a lead, not a verdict)."""
+    """Hot, but within what the GPU tolerates: no throttling (a lead, not a verdict: docs/architecture.md §11)."""
 
     kind: Literal["hot_ambient"] = "hot_ambient"
     temperature_c: float = 88.0

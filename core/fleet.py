@@ -135,7 +135,7 @@ PRIOR_FAILURES = 5
 
 
 class FailureRate(BaseModel):
-    """The fleet's measured failure rate (seed 003 R5's baseline): failures over GPU-hours of runs
+    """The fleet's measured failure rate (paging's baseline, docs/architecture.md §12): failures over GPU-hours of runs
     that could fail (running, not idle), summed over every run."""
 
     gpu_hours: float = 0.0

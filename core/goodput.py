@@ -1,4 +1,4 @@
-"""The goodput ledger: where the run's wall-clock went (seed 000: track the categories, not one number).
+"""The goodput ledger: where the run's wall-clock went, by category, not as one number (docs/architecture.md §14).
 
 Every second of wall-clock lands in exactly one category. Each cost is a set of measured spans on
 the clock (startup, idle, recovery, checkpoint blocking, lost work); where spans overlap, the second

@@ -1,10 +1,11 @@
 """Who a hang's culprit is, from evidence: each rank's collective progress first, then its stack.
 
-With every rank in the same collective, seed 003 §7 names the rank whose stack differs. A rank can
-stall at the very call site its peers wait in, though (a collective wedged before it reached the
-wire), and then every stack is the same. Each rank therefore counts the collectives it entered and
-completed in its generation, in a small file its node agent reads from outside (training/
-collectives.py writes it; a rank blocked in C++ runs no Python and cannot be asked). A rank that
+With every rank in the same collective, the rank whose stack differs is the culprit
+(docs/architecture.md §9). A rank can stall at the very call site its peers wait in, though (a
+collective wedged before it reached the wire), and then every stack is the same. Each rank therefore
+counts the collectives it entered and completed in its generation, in a small file its node agent
+reads from outside (training/collectives.py writes it; a rank blocked in C++ runs no Python and cannot
+be asked). A rank that
 entered fewer than the most any rank entered never reached the collective its peers are in: alone,
 it is the culprit; several such are suspects, and none is blamed. When every rank entered the same
 one and none completed it, the counts tell no rank apart, and unless a stack does, the finding says

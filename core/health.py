@@ -12,7 +12,8 @@ from stayalive.core.run import CheckpointRecord, RunStatus
 
 
 class Health(BaseModel):
-    """Seed 003 §3's GET /runs/{id}/health, plus where the checkpoint interval comes from."""
+    """What the `health` query answers (docs/architecture.md §4): progress, step times, the slowest rank,
+    goodput, interruptions, the SDC watermark, and where the checkpoint interval comes from."""
 
     state: str
     generation: int

@@ -35,7 +35,7 @@ def daly(c: float, m: float) -> float:
 
 
 def overhead(c: float, t: float, m: float, r: float) -> float:
-    """Fraction of wall-clock lost: checkpointing C/T, lost work (T/2)/M, restarts R/M (seed 003 §6)."""
+    """Fraction of wall-clock lost: checkpointing C/T, lost work (T/2)/M, restarts R/M (docs/architecture.md §14)."""
     return c / t + (t / 2) / m + r / m
 
 

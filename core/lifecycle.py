@@ -1,4 +1,4 @@
-"""The run's state machine (DESIGN §4) as a table: every move a run may make, each with why.
+"""The run's state machine (docs/architecture.md §5) as a table: every move a run may make, each with why.
 
 RunBook.move (core/runbook.py) checks every change of state against it; a move that is not here is
 refused and logged, and the run stays where it was. The table is what the web UI's RunState column

@@ -1,4 +1,4 @@
-"""Page on the pattern, not the count (seed 003, R5).
+"""Page on the pattern, not the count (docs/architecture.md §12).
 
 INDEPENDENT failures are restarted silently and reported; CORRELATED ones page a human;
 DETERMINISTIC ones (the same step failing again) stop the run, because restarting cannot fix data
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 WINDOW = timedelta(hours=1)
 RATE_FACTOR = 5.0
-# The rate rule also needs this many failures in the window. Two are not a pattern: at the seed's
+# The rate rule also needs this many failures in the window. Two are not a pattern: at Llama 3's
 # MTBF of 3.1 h, a failure has another within the hour before it 1 − e^(−1/3.1) = 28% of the time,
-# so "2 in an hour > 5 × 0.32/h" would page on more than a quarter of routine failures (critique C5).
+# so "2 in an hour > 5 × 0.32/h" would page on more than a quarter of routine failures (docs/architecture.md §12).
 # With three, an independent failure pages when two others fell in its hour: 4.1% at 3.1 h, 1.2% at
 # the 6 h prior MTBF.
 MIN_FAILURES_IN_WINDOW = 3
@@ -148,7 +148,8 @@ def _hours(seconds: float) -> str:
 
 
 def environmental(ratio: float, evidence: str) -> Classification:
-    """A slowdown every rank shares, with the rack hot: a page for facilities, not an eviction (seed 000)."""
+    """A slowdown every rank shares, with the rack hot: a page for facilities, not an eviction (see
+    docs/architecture.md §11)."""
     return Classification(
         paging=PagingClass.CORRELATED,
         rule="environmental slowdown",
@@ -157,7 +158,7 @@ def environmental(ratio: float, evidence: str) -> Classification:
     )
 
 
-# Storage is away: training goes on and checkpoints stay in host memory (seed 003 §8: halting would
+# Storage is away: training goes on and checkpoints stay in host memory (docs/architecture.md §8: halting would
 # turn a storage incident into a training incident), but validation reads storage, so the newest
 # resumable checkpoint stays the last one before the outage and a failure loses all the work since.
 # Past this many checkpoint intervals that is more than a routine failure costs, and a person's to fix.

@@ -2,7 +2,7 @@
 record per node per step (`StepBatcher`), and by the run monitor into per-step vectors of every
 rank for the detectors and the live summary (`StepIngest`). Pure: no I/O.
 
-Width decides the split (DESIGN §3a). At 16,384 ranks a step brings 16,384 reports; the agents turn
+Width decides the split (docs/architecture.md §4). At 16,384 ranks a step brings 16,384 reports; the agents turn
 them into 2,048 node frames, the monitor keeps each frame as the bytes it came in (O(1)), and decodes
 everything pending in one numpy pass over the joined bytes. No Python loop runs per rank, and the
 work per frame is an append.

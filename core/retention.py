@@ -1,4 +1,4 @@
-"""Which checkpoints to keep (seed 003, R6): enough to roll back past the SDC detection window,
+"""Which checkpoints to keep (docs/architecture.md §8): enough to roll back past the SDC detection window,
 plus a milestone every six hours of the run, kept to the end."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class Cause(StrEnum):
 
 
 class Interruption(BaseModel):
-    """One event that stopped the whole job (seed 003 §4 `interruption`), with its cost."""
+    """One event that stopped the whole job (docs/architecture.md §6), with its cost."""
 
     at: datetime
     generation: int

@@ -175,7 +175,7 @@ class RunBook:
     def failed(
         self, interruption: Interruption, baseline_mtbf_s: float, recent_goodput: float | None
     ) -> Classification:
-        """Record a failure with seed R5's paging class, judged against the timeline before it; the
+        """Record a failure with its paging class (docs/architecture.md §12), judged against the timeline before it; the
         same step failing twice stops the run for a person (data or code, not hardware)."""
         paging = classify(self.status.interruptions, interruption, baseline_mtbf_s, recent_goodput)
         interruption.paging = paging

@@ -126,13 +126,13 @@ class CheckpointSpec(_Spec):
 
 
 class SdcSpec(_Spec):
-    """Silent data corruption checks (seed 003 §7 failure 3, R3, R6)."""
+    """Silent data corruption checks (docs/architecture.md §10)."""
 
     enabled: bool = True  # off: no invariants, replays or cross-checks (what bench/sdc.py compares against)
-    # Every N steps one rank (rotating) replays its micro-batch and compares bitwise: R6 change 3 buys
-    # the 1% of compute that keeps every checkpoint but the newest verified.
+    # Every N steps one rank (rotating) replays its micro-batch and compares bitwise: 1% of compute buys
+    # a detection latency that keeps every checkpoint but the newest verified (docs/architecture.md §16).
     self_check_every: int = Field(default=100, ge=1)
-    # Every ~10N steps two ranks compute the same micro-batch (R3: catches a deterministically wrong GPU).
+    # Every ~10N steps two ranks compute the same micro-batch: catches a deterministically wrong GPU.
     cross_check_every: int = Field(default=1000, ge=1)
     # The largest relative gradient difference two healthy ranks may show; "auto": 5 × the spread the
     # ranks show on one calibration batch at start-up, at least 1e-6.
@@ -141,7 +141,7 @@ class SdcSpec(_Spec):
 
 
 class PagingSpec(_Spec):
-    """Where pages go besides the structured log (seed 003 R5). Every interruption is written to the
+    """Where pages go besides the structured log (docs/architecture.md §12). Every interruption is written to the
     JSONL file, the independent ones too: that file is the daily digest. Only CORRELATED and
     DETERMINISTIC pages go to the webhook."""
 
@@ -162,7 +162,7 @@ class HealthSpec(_Spec):
     # How long a generation may take to its first step (imports, rendezvous, a checkpoint's load,
     # compilation, cold caches) before it counts as hung; the step timeout holds from then on.
     startup_timeout: Seconds = HANG_STARTUP_S
-    straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (seed 003 §7)
+    straggler_sigma: float = Field(default=3.0, gt=0)  # robust z of a rank's compute time (docs/architecture.md §9)
     straggler_steps: int = Field(default=20, ge=1)  # ... for this many consecutive steps
     baseline_windows: int = Field(default=10, ge=1)  # healthy 50-step windows reported to the fleet at a time
     # How often a known straggler's or slowdown's cost so far reaches the workflow (the goodput ledger).
@@ -200,9 +200,10 @@ class HealthSpec(_Spec):
 
 class FailureLimit(_Spec):
     """When a run gives up (FAILED): more than `failures` failures within any `window`. A rate, not a
-    count: at 16,384 GPUs a month brings ~233 failures (seed 003), and no run may die of its length.
+    count: at 16,384 GPUs a month brings ~233 failures (Llama 3's rate), and no run may die of its length.
     Drains, pauses and rollbacks were asked for and never count. The default gives up when failures
-    come ten times faster than the seed's 3.1 h MTBF for six hours: restarts then eat the run."""
+    come ten times faster than Llama 3's 3.1 h MTBF for six hours: restarts then eat the run
+    (docs/architecture.md §6, §16)."""
 
     failures: int = Field(default=20, ge=1)
     window: Seconds = 6 * 3600.0

@@ -265,7 +265,7 @@ class GenerationWatch:
     def _exited(self, node: str, exited: RankExited, now: float) -> MonitorEvent | None:
         self.exited.add(exited.rank)
         # A rank that said it finished did its work, however it leaves: an abort at exit must not
-        # restart a finished run (FIELD-NOTES: torchrun restarts it).
+        # restart a finished run (torchrun restarts a rank that exits non-zero, whatever it finished).
         if exited.exit_code == 0 or exited.rank in self.finished:
             self._finished(exited.rank, now)
             if len(self.finished) >= self.input.world_size:
@@ -336,7 +336,8 @@ class GenerationWatch:
         return None
 
     def _verdict(self, node: str) -> Verdict | None:
-        """Seed R2's diagnosis of one node from its GPUs and its rack's (the other nodes of this run)."""
+        """The diagnosis of one node (docs/architecture.md §11) from its GPUs and its rack's (the other
+        nodes of this run)."""
         readings = self.gpus.get(node)
         if not readings:
             return None

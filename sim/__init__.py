@@ -1,4 +1,4 @@
-"""The fleet simulator (DESIGN §8): the real RunWorkflow, simulated activities.
+"""The fleet simulator (docs/architecture.md §15): the real RunWorkflow, simulated activities.
 
     cluster = SimulatedCluster(["n1", "n2", "n3"], FailureSchedule.crash_every_generation(300, 150, world_size=4))
     async with simulated_workers(client, cluster):

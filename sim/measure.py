@@ -1,7 +1,8 @@
 """What a simulated month measured (sim/month.py): the run's own C, M, R and T, its overhead against
-seed 003's formula for them, how closely the intervals the ranks kept followed Daly's, the pages it
-sent, and whether a node that failed its self-test ever came back. Read from the run's final state
-and from what the simulated cluster saw; `python -m bench.month` prints them and tests/sim checks them.
+the overhead equation for them (docs/architecture.md §14), how closely the intervals the ranks kept
+followed Daly's, the pages it sent, and whether a node that failed its self-test ever came back. Read
+from the run's final state and from what the simulated cluster saw; `python -m bench.month` prints
+them and tests/sim checks them.
 """
 
 from __future__ import annotations

@@ -37,11 +37,11 @@ from stayalive.workflows.run import TASK_QUEUE, DrainNode, RunWorkflow
 DAY_S = 86_400.0
 RANKS_PER_NODE = 8
 STEP_S = 1.0
-BLOCKING_S = 30.0  # C: seed 003's checkpoint cost at 16,384 GPUs
-STARTUP_S = 600.0  # R: seed 003's restart, reschedule to first step
+BLOCKING_S = 30.0  # C: the checkpoint cost assumed at 16,384 GPUs (docs/architecture.md §16)
+STARTUP_S = 600.0  # R: the restart assumed at 16,384 GPUs, reschedule to first step (docs/architecture.md §16)
 REJOIN_S = 60.0  # survivors of a hold re-form the group and go on, in memory
 HANG_DETECTED_S = 120.0  # the step timeout before the run monitor calls it a hang
-SPARES_SHARE = 0.03  # seed 003: keep 2-3% of the cluster as hot spares
+SPARES_SHARE = 0.03  # hot spares, a share of the nodes (docs/architecture.md §16)
 NODE_HEARTBEAT_S = 30.0
 AWAKE_S = 3600.0  # the operator's clock advances the server an hour at a time between drains
 
@@ -84,13 +84,14 @@ class TrainingTimeSchedule:
 def crashes_every(mtbf_s: float, restart_s: float, training_s: float, seed: int) -> list[Draw]:
     """Crashes whose wall-clock MTBF is `mtbf_s` when each costs `restart_s`: over `training_s` of
     training, exactly training_s / (mtbf_s - restart_s) of them (rounded), each uniformly placed. The
-    count is fixed, not drawn: seed 003's table is an expectation, and a Poisson count's spread (±6%
-    at 233) would move the overhead by more than the half point it is compared to."""
+    count is fixed, not drawn: the reference table (docs/architecture.md §14) is an expectation, and a
+    Poisson count's spread (±6% at 233) would move the overhead by more than the half point it is
+    compared to."""
     rng = np.random.default_rng(seed)
     count = round(training_s / (mtbf_s - restart_s))
     at = np.sort(rng.uniform(0.0, training_s, size=count))
     nodes = rng.integers(1 << 20, size=count)
-    return [Draw(float(t), "crash", int(n), "seed 003") for t, n in zip(at, nodes, strict=True)]
+    return [Draw(float(t), "crash", int(n), "reference table") for t, n in zip(at, nodes, strict=True)]
 
 
 @dataclass(frozen=True)

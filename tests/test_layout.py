@@ -1,5 +1,6 @@
-"""The import rules the design depends on (DESIGN §8): workflow modules import each other one way
-only, and never load torch (a workflow module is loaded into the sandbox of every workflow task)."""
+"""The layout rules the design depends on (docs/architecture.md §3): workflow modules import each other
+one way only, and never load torch (a workflow module is loaded into the sandbox of every workflow task);
+and the design is cited where a clone can follow it."""
 
 from __future__ import annotations
 
@@ -88,3 +89,25 @@ def test_benches_do_not_import_the_tests() -> None:
         or (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names))
     ]
     assert not importers, f"bench scripts import tests/: {importers}"
+
+
+# The design is cited as docs/architecture.md §N or by the publication behind a fact. Documents kept
+# outside the repository (an external design file, source blog posts and their revisions) must not be
+# cited: a maintainer with a clone cannot follow them. The markers are spelt in pieces so that this
+# file does not match itself.
+CITED_FOLDERS = ("core", "workflows", "activities", "workers", "agent", "training", "sim", "bench", "harness", "tests")
+OUTSIDE_CASED = ("DESIGN" + " §", "FIELD" + "-NOTES")
+OUTSIDE = ("seed" + " 00", *(f"seed r{n}" for n in range(1, 7)), *(f"critique c{n}" for n in range(1, 7)))
+
+
+def test_the_design_is_cited_from_the_repository() -> None:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files += [p for folder in CITED_FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
+    assert ROOT / "docs" / "architecture.md" in files
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if any(m in line for m in OUTSIDE_CASED) or any(m in line.lower() for m in OUTSIDE)
+    ]
+    assert not found, "cite docs/architecture.md §N or a publication instead:\n" + "\n".join(found)

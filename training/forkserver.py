@@ -1,13 +1,13 @@
 """The warm fork server a node agent starts its ranks from: `python -m stayalive.training.forkserver`.
 
 After a crash every rank restarts, and most of a restart is not training: Python start-up and
-`import torch` take seconds of CPU per process (see FIELD-NOTES). The fork server pays for that
+`import torch` take seconds of CPU per process (bench/recovery.py measures R). The fork server pays for that
 once per node: it imports what a rank imports, says `ready`, then forks one child per launch
 request it reads on stdin (one JSON line each). The child becomes the rank: its stdout and stderr
 go to the rank's log, its environment, argv, cwd and sys.path become what a cold `python -m
 module ...` or `python script.py ...` would have had, and the entrypoint runs in-process through
 runpy, then the interpreter exits the way a cold one does (atexit, threads joined, the exit status
-of the script). Everything is pre-warmed except the weights (seed 003 R4), and no rank pays for
+of the script). Everything is pre-warmed except the weights (docs/architecture.md §6), and no rank pays for
 another's warm-up: a fork shares the server's imported pages instead of importing them again.
 
 The server reports on stdout, one line each: `ready`, `started SEQ PID` (or `failed SEQ REASON`) per

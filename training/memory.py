@@ -2,7 +2,7 @@
 
 A rank writes its shard here before storage. The file outlives the rank, so a crashed rank's
 replacement reads it back at memory speed, but not the host, so every shard also has a replica on
-the node of rank (r − W/2) mod W, another failure domain (seed R1). A node agent serves its tier to
+the node of rank (r − W/2) mod W, another failure domain (docs/architecture.md §8). A node agent serves its tier to
 ranks on other hosts; ranks on the same host read it directly, and prune it after each checkpoint.
 
 While storage is away the tier is the only copy of the checkpoints written since, and the newest
@@ -58,7 +58,7 @@ class MemoryTier:
 
 
 def holder(rank: int, world_size: int) -> int:
-    """The rank whose node keeps rank `rank`'s replica: rank r keeps the shard of r + W/2 (seed R1)."""
+    """The rank whose node keeps rank `rank`'s replica: rank r keeps the shard of r + W/2 (docs/architecture.md §8)."""
     return (rank - world_size // 2) % world_size
 
 

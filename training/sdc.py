@@ -1,4 +1,4 @@
-"""Silent data corruption, caught inside the step (DESIGN §7).
+"""Silent data corruption, caught inside the step (docs/architecture.md §10).
 
 Three layers, cheapest first:
 - invariants every step: a non-finite loss or gradient, or a gradient norm above `spike` × the
@@ -38,7 +38,7 @@ from stayalive.core.telemetry import Anomaly, SdcCheck
 from stayalive.training import collectives
 
 TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomputation is exactly 0
-TOLERANCE_SIGMAS = 5.0  # seed R3: the observed rank-to-rank spread on known-good hardware, × 5
+TOLERANCE_SIGMAS = 5.0  # the rank-to-rank spread measured on this run's ranks, × 5 (docs/architecture.md §10, §16)
 NORM_HISTORY = 200  # gradient norms kept for the running p99
 NORMS_BEFORE_SPIKES = 20  # a p99 of fewer norms is noise
 P99_EVERY = 10  # steps between recomputing the running p99: it moves slowly, and a sort is not free

@@ -6,7 +6,7 @@ loop gets.
 
 Data parallel with one explicit gradient all-reduce per step (`run.all_reduce_gradients`), not
 DistributedDataParallel: DDP overlaps its bucketed all-reduces with backward, which hides where a
-rank's compute ends (the straggler signal, DESIGN §5), and re-buckets after the first step (changing
+rank's compute ends (the straggler signal, docs/architecture.md §9), and re-buckets after the first step (changing
 the summation layout, so a resumed run would not be bitwise equal to an uninterrupted one). Bound to
 no process group of its own, a held rank rejoins the next generation in place.
 

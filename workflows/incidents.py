@@ -2,7 +2,7 @@
 silent data corruption, a node that never answered its launch; and what went wrong and stopped
 nothing, as a detection: a skipped update, checkpoint storage that went away.
 
-Each is told apart by who noticed (seed 002): a node agent reaps a dead rank, a node agent falls
+Each is told apart by who noticed (docs/architecture.md §6): a node agent reaps a dead rank, a node agent falls
 silent, the run monitor's watchdog sees no step, the ranks' own checks see a wrong number. Each
 function gathers what it needs (stack dumps, the fleet's spare), puts the culprit's node out of the
 group, and returns the Interruption; the workflow records it and restarts.

@@ -1,8 +1,8 @@
 """What a person (or, for a drain, the straggler ladder) asks a run to do: drain a node, pause, roll
 back; and the stopped state, where nobody trains until a person or a free node lets the run go on.
 
-Drain and pause share the first half of auto-cordon (seed 000): drain (no new work) → wait for the
-in-flight step → checkpoint. Then a drain resizes (the group is rebuilt without the node) and a pause
+Drain and pause share the first half of auto-cordon (docs/architecture.md §6): drain (no new work) → wait for
+the in-flight step → checkpoint. Then a drain resizes (the group is rebuilt without the node) and a pause
 waits for `resume`; both resume with the surviving processes, which kept their memory.
 """
 

@@ -1,5 +1,5 @@
-"""What a run does about slowness: a straggler climbs the S1→S4 ladder as its cost is paid (seed
-002's ski rental), a slowdown of every rank pages facilities and evicts nobody (seed 000).
+"""What a run does about slowness: a straggler climbs the S1→S4 ladder as its cost is paid (ski
+rental), a slowdown of every rank pages facilities and evicts nobody (docs/architecture.md §11).
 
 The ladder's rent is the ledger's straggler loss (RunStatus.straggler_seconds), which the run monitor
 tallies while a straggler is known. Each rung is bought once the rent paid on the one below exceeds
@@ -29,7 +29,7 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.run import Detection, RunState
     from stayalive.core.runbook import RunBook
 
-# R before the run has restarted once: seed 003's 10 minutes at scale.
+# R before the run has restarted once: the 10 minutes assumed at scale (docs/architecture.md §16).
 PRIOR_RESTART_S = 600.0
 
 
@@ -130,7 +130,7 @@ async def settle(book: RunBook, resolved: bool) -> None:
 
 
 def measured_restart(book: RunBook) -> float:
-    """R: the median of this run's measured restarts, the seed's prior before the first."""
+    """R: the median of this run's measured restarts, PRIOR_RESTART_S before the first."""
     measured = [i.restart_seconds for i in book.status.interruptions if i.restart_seconds is not None]
     return statistics.median(measured) if measured else PRIOR_RESTART_S
 

@@ -83,8 +83,8 @@ def test_a_slow_rank_is_flagged_at_the_kth_step_not_before(k: int) -> None:
 @pytest.mark.parametrize(
     ("noise", "factor", "flagged", "why"),
     [
-        (0.02, 1.20, True, "the seed's 20%-slow GPU among 2%-noisy peers"),
-        (0.02, 1.12, True, "seed 002's 12%-slow GPU"),
+        (0.02, 1.20, True, "a 20%-slow GPU among 2%-noisy peers"),
+        (0.02, 1.12, True, "a 12%-slow GPU"),
         (0.02, 1.04, False, "within 3 sigma of 2%-noisy peers"),
         (0.10, 1.20, False, "peers spread by 10%: 20% slower is within 3 sigma"),
     ],
@@ -178,7 +178,7 @@ def test_relative_rejects_a_vector_of_the_wrong_size() -> None:
 
 
 def test_every_rank_slowed_together_is_caught_only_by_the_absolute_check() -> None:
-    """Seed 000: a hot aisle slows every rank; the peer median moves with them."""
+    """A hot aisle slows every rank; the peer median moves with them (docs/architecture.md §9)."""
     healthy = step_seconds(compute_times(2000, seed=10, spikes=0.02), seed=11)
     baseline = healthy_window_medians(healthy)
     assert len(baseline) == 40
@@ -233,7 +233,7 @@ def test_window_medians_ignore_a_trailing_partial_window_and_nans() -> None:
 @pytest.mark.parametrize(
     ("observed", "configured", "timeout"),
     [
-        ([30.0] * 200, "auto", 90.0),  # seed 003 §7: 3 × p99 step time, ~90 s
+        ([30.0] * 200, "auto", 90.0),  # 3 × p99 step time: 90 s at 30 s steps
         ([20.0] * 300 + [100.0], "auto", 60.0),  # p99, not the max: one stalled step does not set it
         ([0.05] * 200, "auto", 10.0),  # the floor: 3 × 50 ms is shorter than telemetry's own trip
         ([30.0] * 10, "auto", HANG_STARTUP_S),  # too few steps for a p99: still warming up

@@ -1,4 +1,4 @@
-"""Seed 003 R2: the verdict on a slow node from GPU telemetry, as a table of cases."""
+"""The verdict on a slow node from GPU telemetry (docs/architecture.md §11), as a table of cases."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ THERMAL: dict[str, Any] = {"temperature_c": 92.0, "throttle_reasons": {"thermal"
 @pytest.mark.parametrize(
     ("node", "peers", "diagnosis", "evict", "evidence"),
     [
-        # the seed's branches
+        # the rules of the diagnosis table, in order
         (
             gpus("n1", **THERMAL),
             rack(temperature_c=88.0),
@@ -80,7 +80,7 @@ THERMAL: dict[str, Any] = {"temperature_c": 92.0, "throttle_reasons": {"thermal"
         ),
         (gpus("n1"), rack(), Diagnosis.UNKNOWN, True, "no throttling, link, NIC or memory fault"),
         ([], rack(), Diagnosis.UNKNOWN, True, "no GPU telemetry"),
-        # seed 002: temperature is a lead, not a verdict
+        # temperature is a lead, not a verdict: heat that slows a GPU shows as a throttle reason
         (gpus("n1", only=5, temperature_c=88.0), rack(), Diagnosis.UNKNOWN, True, "n1 GPU 5 hot (up to 88 °C) but not"),
         (gpus("n1", temperature_c=88.0), rack(temperature_c=88.0), Diagnosis.UNKNOWN, True, "not throttling"),
         (

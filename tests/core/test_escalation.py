@@ -1,4 +1,4 @@
-"""The S1→S4 ladder as ski rental (seed 002), and the micro-batch split S2 applies."""
+"""The S1→S4 ladder as ski rental (docs/architecture.md §11), and the micro-batch split S2 applies."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from stayalive.core.escalation import (
 )
 
 S1, S2, S3, S4 = LADDER
-# Seed 002's overheads: S2 ~30 s even at 512 groups, S3 ~1 min; S4 the 100-minute GPT2-100B dump.
-SEED = StrategyCosts(rebalance_s=30.0, replace_s=60.0, restart_s=100 * 60.0)
+# FALCON's overheads (arXiv:2410.12588): S2 ~30 s even at 512 groups, S3 ~1 min; S4 the 100-minute
+# GPT2-100B dump.
+FALCON_COSTS = StrategyCosts(rebalance_s=30.0, replace_s=60.0, restart_s=100 * 60.0)
 RESTART_ONLY = StrategyCosts(rebalance_s=None, replace_s=None, restart_s=100 * 60.0)
 MEAN_SLOW_FAILURE_S = 72 * 60.0
 
@@ -28,15 +29,15 @@ MEAN_SLOW_FAILURE_S = 72 * 60.0
 @pytest.mark.parametrize(
     ("current", "paid", "costs", "expected"),
     [
-        (S1, 0.0, SEED, S1),
-        (S1, 30.0, SEED, S1),  # exactly the price: not yet
-        (S1, 30.1, SEED, S2),
-        (S1, 1e9, SEED, S2),  # one rung at a time, however much was paid
-        (S2, 59.0, SEED, S2),
-        (S2, 61.0, SEED, S3),
-        (S3, 6000.0, SEED, S3),
-        (S3, 6001.0, SEED, S4),
-        (S4, 1e9, SEED, S4),  # the top rung
+        (S1, 0.0, FALCON_COSTS, S1),
+        (S1, 30.0, FALCON_COSTS, S1),  # exactly the price: not yet
+        (S1, 30.1, FALCON_COSTS, S2),
+        (S1, 1e9, FALCON_COSTS, S2),  # one rung at a time, however much was paid
+        (S2, 59.0, FALCON_COSTS, S2),
+        (S2, 61.0, FALCON_COSTS, S3),
+        (S3, 6000.0, FALCON_COSTS, S3),
+        (S3, 6001.0, FALCON_COSTS, S4),
+        (S4, 1e9, FALCON_COSTS, S4),  # the top rung
         # a communication straggler: rebalancing does not apply, so S1 goes to S3 at S3's price
         (S1, 45.0, StrategyCosts(rebalance_s=None, replace_s=60.0, restart_s=600.0), S1),
         (S1, 61.0, StrategyCosts(rebalance_s=None, replace_s=60.0, restart_s=600.0), S3),
@@ -62,7 +63,7 @@ def run_ladder(duration_s: float, ratio: float, costs: StrategyCosts, fixed_by: 
 
 
 def test_a_72_minute_slow_failure_never_reaches_a_100_minute_restart() -> None:
-    """Seed 002: the mean slow-failure (72 min) ends before checkpoint-and-restart (100 min) would
+    """FALCON: the mean slow-failure (72 min) ends before checkpoint-and-restart (100 min) would
     pay; even a full stall loses only 72 min of progress, so the ladder waits it out."""
     for ratio in (1.1, 1.5, 3.0, 1000.0):
         assert break_even_seconds(RESTART_ONLY.restart_s, ratio) > MEAN_SLOW_FAILURE_S
@@ -75,9 +76,9 @@ def test_the_ladder_climbs_at_each_rungs_break_even() -> None:
     # A rank 1.2× slower costs 1/6 of a second per second: S2 after 180 s; if S2 does not fix it,
     # S3 after 360 s more; the straggle ends there.
     ratio = 1.2
-    assert break_even_seconds(SEED.of(S2) or 0, ratio) == pytest.approx(180.0)
-    assert run_ladder(3600, ratio, SEED, fixed_by=S2) == pytest.approx(30 + 30, abs=1.0)  # 180 s of rent + 30
-    assert run_ladder(3600, ratio, SEED, fixed_by=S3) == pytest.approx(30 + 30 + 60 + 60, abs=1.0)
+    assert break_even_seconds(FALCON_COSTS.of(S2) or 0, ratio) == pytest.approx(180.0)
+    assert run_ladder(3600, ratio, FALCON_COSTS, fixed_by=S2) == pytest.approx(30 + 30, abs=1.0)  # 180 s of rent + 30
+    assert run_ladder(3600, ratio, FALCON_COSTS, fixed_by=S3) == pytest.approx(30 + 30 + 60 + 60, abs=1.0)
 
 
 @pytest.mark.parametrize("ratio", [1.05, 1.5, 10.0])
@@ -94,7 +95,7 @@ def test_reacting_to_cost_paid_is_never_worse_than_twice_hindsight(ratio: float)
 
 
 def test_falcon_recovered_about_60_percent_of_the_slowdown() -> None:
-    """Seed 002: 17.1 it/min healthy, 14.8 slowed, 16.2 mitigated, "a 60.1% reduction". From the
+    """FALCON: 17.1 it/min healthy, 14.8 slowed, 16.2 mitigated, "a 60.1% reduction". From the
     rounded figures it is 60.9%; 60.1% lies within what figures rounded to 0.1 allow."""
     assert recovered_fraction(17.1, 14.8, 16.2) == pytest.approx(1.4 / 2.3)
     low = recovered_fraction(17.15, 14.85, 16.15)

@@ -1,4 +1,4 @@
-"""Straggler eviction (seed 003 R2): the payback with its confidence term, and every guard on the
+"""Straggler eviction (docs/architecture.md §11): the payback with its confidence term, and every guard on the
 run's authority to evict."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from stayalive.core.eviction import Eviction, EvictionDecision, payback_seconds,
 from stayalive.core.fleet import EvictionOutcome
 from tests.core.runs import at
 
-R = 600.0  # restart seconds (seed 003 §2)
+R = 600.0  # restart seconds, as assumed at 16,384 GPUs (docs/architecture.md §16)
 HOUR = 3600.0
 
 
@@ -60,14 +60,15 @@ def decide(
 
 @pytest.mark.parametrize(("ratio", "cost"), [(1.25, 0.2), (2.0, 0.5), (1.0, 0.0), (0.9, 0.0), (1.0 / 0.88, 0.12)])
 def test_straggler_cost_is_the_throughput_lost_to_the_barrier(ratio: float, cost: float) -> None:
-    """Seed 002: a GPU at 88% of its peers' speed slows every step by 12%, not 1/256 of the steps."""
+    """A GPU at 88% of its peers' speed slows every step by 12%, not 1/256 of the steps: the barrier
+    waits for it every step (docs/architecture.md §11)."""
     assert straggler_cost(ratio) == pytest.approx(cost)
 
 
 @pytest.mark.parametrize(
     ("p", "cost", "minutes"),
     [
-        (1.0, 0.2, 50.0),  # critique C2's R / 0.2 ≈ 50 min, which assumes the replacement is healthy
+        (1.0, 0.2, 50.0),  # R / 0.2 ≈ 50 min: the payback without a confidence term, a healthy replacement
         (0.5, 0.2, 100.0),  # no eviction history yet: P(healthy) = 0.5
         (0.0, 0.2, math.inf),  # evictions never help: never pays back
         (1.0, 0.0, math.inf),  # nothing to win back
@@ -113,7 +114,7 @@ def test_an_eviction_that_cannot_pay_back_before_the_run_ends_is_refused() -> No
 
 
 def test_a_fleet_whose_evictions_stopped_resolving_stragglers_stops_evicting() -> None:
-    """Critique C2: the replacements are slow too (a hot aisle). Each unresolved eviction lowers
+    """The replacements are slow too (a hot aisle). Each unresolved eviction lowers
     P(healthy), the payback grows, and once it passes the run's remaining 2 h the run stops."""
     decisions = [decide(remaining_s=2 * HOUR, fleet=outcomes(8, unresolved=k)) for k in range(20)]
     p = [d.p_healthy for d in decisions]

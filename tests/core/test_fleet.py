@@ -387,7 +387,7 @@ PRIOR_GPU_HOURS = 5 / PUBLISHED_FAILURES_PER_GPU_HOUR  # the published rate weig
     ("gpu_hours", "failures", "gpus", "mtbf_hours"),
     [
         (0.0, 0, 16_384, 54 * 24 / 419),  # a new fleet pages by Llama 3's 3.09 h at its width ...
-        (0.0, 0, 1_024, 54 * 24 / 419 * 16),  # ... and 49.5 h at 1,024 GPUs (seed 003 §2)
+        (0.0, 0, 1_024, 54 * 24 / 419 * 16),  # ... and 49.5 h at 1,024 GPUs (the rate scales with GPUs)
         (PRIOR_GPU_HOURS, 5, 1_024, 54 * 24 / 419 * 16),  # its own history agrees: nothing moves
         (PRIOR_GPU_HOURS, 15, 1_024, 54 * 24 / 419 * 16 / 2),  # twice the published rate, weighed with it
         (1e9, 0, 1_024, (1e9 + PRIOR_GPU_HOURS) / 5 / 1_024),  # a billion quiet GPU-hours: only the prior fails

@@ -1,5 +1,5 @@
 """The goodput ledger: every second of wall-clock in one category, overlaps counted once, any window
-of the run, and agreement with seed 003 §6's overhead equation on a simulated year."""
+of the run, and agreement with the overhead equation (docs/architecture.md §14) on a simulated year."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_a_simulated_month_partitions_wall_clock(seed: int) -> None:
 
 
 def test_a_simulated_year_agrees_with_the_overhead_equation() -> None:
-    """Seed 003 §6 at 16,384 GPUs: C = 30 s, T = T* = 13.6 min, M = 3.1 h, R = 600 s gives 12.73%
+    """The reference table (docs/architecture.md §14): C = 30 s, T = T* = 13.6 min, M = 3.1 h, R = 600 s gives 12.73%
     overhead. A simulated year's ledger (a year, so ~2,700 failures average out) lands within 1.5
     points of it, a little below: the equation is first order, charging checkpoints and failures to
     all of wall-clock when they only happen while the run is running (here ~89% of it)."""

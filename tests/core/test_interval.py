@@ -1,4 +1,4 @@
-"""The checkpoint interval: seed 003's numbers (§2, §6), Daly against the waste it approximates, and
+"""The checkpoint interval: the reference table (docs/architecture.md §14), Daly against the waste it approximates, and
 `auto` following the run's measured failure rate."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from stayalive.core.run import Cause, IntervalChoice, RunStatus
 from stayalive.core.runbook import RunBook
 from tests.core.runs import at, checkpoint, interruption, spec, status
 
-# Seed 003: Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs.
+# Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs (Llama 3, arXiv:2407.21783, §3.3.4); C and R
+# are the costs assumed at that scale (docs/architecture.md §16).
 M = 54 * 24 * 3600 / 419  # 11,135 s = 3.09 h
 C = 30.0
 R = 600.0
@@ -80,7 +81,7 @@ def test_young_minimises_the_three_term_overhead() -> None:
 @pytest.mark.parametrize(
     ("c", "daly_tolerance", "young_error"),
     [
-        (30.0, 1e-5, 0.025),  # the seed's C: Daly within 0.001%, Young 2.5% long
+        (30.0, 1e-5, 0.025),  # the assumed C: Daly within 0.001%, Young 2.5% long
         (300.0, 1e-4, 0.082),
         (3600.0, 5e-3, 0.33),  # C a third of M: Daly still within 0.5%, Young a third too long
     ],

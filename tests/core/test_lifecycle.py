@@ -1,4 +1,4 @@
-"""The run's state machine: the moves DESIGN §4 draws are in the table, the book refuses the rest."""
+"""The run's state machine: the moves docs/architecture.md §5 draws are in the table, the book refuses the rest."""
 
 from __future__ import annotations
 

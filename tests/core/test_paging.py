@@ -1,4 +1,4 @@
-"""Paging on the pattern, not the count (seed 003 R5): every rule of `classify`, its edges, and which
+"""Paging on the pattern, not the count (docs/architecture.md §12): every rule of `classify`, its edges, and which
 rule wins when several match."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from stayalive.core.spec import FailureLimit
 from tests.core.runs import at, interruption
 
 HOUR = 3600.0
-SEED_MTBF = 54 * 24 * HOUR / 419  # 3.1 h at 16,384 GPUs (seed 003 §2)
+LLAMA3_MTBF = 54 * 24 * HOUR / 419  # 3.1 h at 16,384 GPUs (Llama 3, arXiv:2407.21783, §3.3.4)
 PRIOR_MTBF = 6 * HOUR  # CheckpointSpec.prior_mtbf's default: what the workflow passes today
 
 
@@ -36,16 +36,16 @@ RATE = (PagingClass.CORRELATED, "failure rate anomaly")
 COLLAPSE = (PagingClass.CORRELATED, "goodput collapse")
 
 CASES = [
-    # -- independent failures never page (critique C5: 3 in 12 hours is the norm at 3.1 h) ------------
+    # -- independent failures never page (3 in 12 hours is the norm at 3.1 h: docs/architecture.md §12) -
     pytest.param(
-        [crash(0.5, "n1", 100), crash(6.0, "n2", 900)], crash(12.0, "n3", 1700), SEED_MTBF, 0.9, INDEPENDENT,
+        [crash(0.5, "n1", 100), crash(6.0, "n2", 900)], crash(12.0, "n3", 1700), LLAMA3_MTBF, 0.9, INDEPENDENT,
         id="3 crashes in 12 h, different nodes and steps",
     ),
     pytest.param(
-        [crash(11.5, "n1", 1600)], crash(12.0, "n2", 1700), SEED_MTBF, None, INDEPENDENT,
+        [crash(11.5, "n1", 1600)], crash(12.0, "n2", 1700), LLAMA3_MTBF, None, INDEPENDENT,
         id="2 in an hour is 28% likely at 3.1 h: no page",
     ),
-    pytest.param([], crash(0.2, "n1", 10), SEED_MTBF, None, INDEPENDENT, id="the first failure"),
+    pytest.param([], crash(0.2, "n1", 10), LLAMA3_MTBF, None, INDEPENDENT, id="the first failure"),
     # -- same node twice: quarantine did not hold it out ------------------------------------------------
     pytest.param(
         [crash(1.0, "n1", 100)], crash(20.0, "n1", 2500), PRIOR_MTBF, None, SAME_NODE, id="same node, 19 h apart"
@@ -159,7 +159,7 @@ DEFAULT_LIMIT = FailureLimit()  # 20 failures within 6 h
 
 LIMIT_CASES = [
     pytest.param(
-        every(SEED_MTBF / HOUR, 232), DEFAULT_LIMIT, None, id="a month at 16,384 GPUs: 233 failures, 3.1 h apart"
+        every(LLAMA3_MTBF / HOUR, 232), DEFAULT_LIMIT, None, id="a month at 16,384 GPUs: 233 failures, 3.1 h apart"
     ),
     pytest.param(every(0.3, 20), DEFAULT_LIMIT, None, id="20 failures in 6 h is the limit itself"),
     pytest.param(every(0.28, 20), DEFAULT_LIMIT, "21 failures within 6h", id="the 21st within 6 h gives up"),

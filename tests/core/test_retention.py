@@ -1,4 +1,4 @@
-"""Retention by the rule of seed 003 R6, never a bare constant."""
+"""Retention by the rule of docs/architecture.md §8, never a bare constant."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ START = datetime(2026, 1, 1, tzinfo=UTC)
 @pytest.mark.parametrize(
     ("sdc_check", "checkpoint", "keep"),
     [
-        (33.0, 13.6, 10),  # seed R6: 3 × (33 min / 13.6 min) + 2 ≈ 9.3, so at least 10 are kept
+        (33.0, 13.6, 10),  # 3 × (33 min / 13.6 min) + 2 ≈ 9.3, so at least 10 are kept
         (100, 50, 8),
         (1000, 1000, 5),
         (100, 1000, 3),  # checks more often than checkpoints: the newest checkpoints are enough

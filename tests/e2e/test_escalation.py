@@ -1,6 +1,6 @@
 """Escalation S2 end to end: a rank slowed 1.5× is flagged, its cost is paid as rent until a
 rebalance costs less, and the rebalanced run wins back most of the throughput the straggler took
-(seed 002's FALCON: 17.1 → 14.8 → 16.2 iterations per minute), measured in one run."""
+(FALCON, arXiv:2410.12588: 17.1 → 14.8 → 16.2 iterations per minute), measured in one run."""
 
 from __future__ import annotations
 

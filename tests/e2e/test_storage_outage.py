@@ -1,6 +1,7 @@
-"""Storage that goes away during a checkpoint write is ridden through (seed 003 §8 rejects halting the
-job for it): no rank crashes, training goes on with its checkpoints in host memory, the newest one
-reaches storage once it is back and is validated, and an outage that lasts pages a person."""
+"""Storage that goes away during a checkpoint write is ridden through (halting the job for it would
+turn a storage incident into a training incident: docs/architecture.md §8): no rank crashes, training
+goes on with its checkpoints in host memory, the newest one reaches storage once it is back and is
+validated, and an outage that lasts pages a person."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from stayalive.workflows.fleet import FleetWorkflow
 from stayalive.workflows.run import RunWorkflow
 
 NODES = 128
-BUDGET = 50  # history events per interruption, over every execution it touches (DESIGN §3a)
+BUDGET = 50  # history events per interruption, over every execution it touches (docs/architecture.md §4)
 STALL_S = 240
 
 

@@ -2,7 +2,7 @@
 time-skipping test server (and the same run once more on `temporal server start-dev`, for the history
 a production server records). One run, shared by the tests below, each checking one promise:
 
-- DESIGN §3: history grows with decisions, not with steps (at most 50 events per interruption), and
+- docs/architecture.md §4: history grows with decisions, not with steps (at most 50 events per interruption), and
   the run continues-as-new when the server suggests it (4,096 events);
 - at the end the run is complete, and so are its timeline and its goodput ledger.
 
@@ -52,7 +52,7 @@ INTERRUPTIONS = 300
 REAL_SERVER_INTERRUPTIONS = 320
 CHECKPOINT_EVERY = 100
 CRASH_AFTER = 150  # steps past the resume step: one checkpoint, then 50 steps lost, every generation
-EVENTS_PER_INTERRUPTION = 50  # DESIGN §3's budget
+EVENTS_PER_INTERRUPTION = 50  # the budget of docs/architecture.md §4
 # Like a real server, the test server suggests continue-as-new once history passes 4,096 events
 # (measured: the suggestion first shows at the workflow task that makes history 4,098 long).
 SUGGESTED_AT = 4096
