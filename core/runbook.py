@@ -22,6 +22,7 @@ from stayalive.core.events import (
     StragglerFound,
 )
 from stayalive.core.eviction import Eviction
+from stayalive.core.fencing import PartitionReport, amend
 from stayalive.core.fleet import FailureRate
 from stayalive.core.launch import Membership, node_of, without_node
 from stayalive.core.lifecycle import RunState, why
@@ -252,6 +253,12 @@ class RunBook:
     def _storage_detection(self) -> Detection | None:
         """The open outage's detection (None once the newest detections have pushed it out)."""
         return next((d for d in reversed(self.status.detections) if d.kind == "storage_outage"), None)
+
+    def partitioned(self, report: PartitionReport) -> Interruption | None:
+        """A node agent fenced itself out of a generation it was cut off from: that generation's
+        node-lost entry was a partition. The amended entry (None: the run never took the node for lost,
+        or the entry has left the timeline)."""
+        return amend(self.status.interruptions, report)
 
     def resumed(self, step: int) -> None:
         """The generation starting now resumes from `step`: the last interruption learns its cost."""

@@ -111,3 +111,32 @@ def test_the_design_is_cited_from_the_repository() -> None:
         if any(m in line for m in OUTSIDE_CASED) or any(m in line.lower() for m in OUTSIDE)
     ]
     assert not found, "cite docs/architecture.md §N or a publication instead:\n" + "\n".join(found)
+
+
+def signal_handlers(module: str) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every `@workflow.signal` method of a workflows module, by name, with its definition."""
+    return [
+        (node.name, node)
+        for node in ast.walk(ast.parse((ROOT / "workflows" / f"{module}.py").read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any("workflow.signal" in ast.unparse(d) for d in node.decorator_list)
+    ]
+
+
+def test_run_signal_handlers_only_post_to_the_inbox() -> None:
+    """A signal to a run lands in its inbox and the main loop decides: no handler awaits (an activity
+    call, a wait), and none touches the workflow's state but its inbox (the book, the timeline).
+    (FleetWorkflow's one signal applies its request at once: the fleet has no loop to wait for.)"""
+    handlers = signal_handlers("run")
+    assert {"force_checkpoint", "partitioned", "monitor_report", "pause"} <= {name for name, _ in handlers}
+    for name, handler in handlers:
+        assert isinstance(handler, ast.FunctionDef), f"{name} is async: a handler that awaits acts"
+        body = [node for statement in handler.body for node in ast.walk(statement)]
+        touched = {
+            ast.unparse(node).split(".")[1]
+            for node in body
+            if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("self.")
+        }
+        assert touched <= {"inbox"}, f"{name} touches self.{sorted(touched - {'inbox'})}, not only the inbox"
+        calls = [ast.unparse(node.func) for node in body if isinstance(node, ast.Call)]
+        assert all(c.startswith(("self.inbox.", "Request")) for c in calls), f"{name} calls {calls}"

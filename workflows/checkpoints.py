@@ -1,6 +1,6 @@
 """What a run learns of its checkpoints besides the keeper's verdicts (which RunBook files as they
 arrive): what the last generation left on storage that nobody judged, before a restart; and, when
-every rank has finished, the verdict on the final checkpoint.
+every rank has finished, the verdict on the final checkpoint. And the checkpoint a person asks for.
 """
 
 from __future__ import annotations
@@ -14,10 +14,24 @@ from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
     from stayalive.core.checkpoints import ChooseInput
+    from stayalive.core.control import CommandRanks
+    from stayalive.core.lifecycle import RunState
     from stayalive.core.runbook import RunBook
 
+# The states whose ranks train and take a command at their next agreed step: an asked checkpoint waits
+# for one (a launch's first step, the end of a hold or a pause).
+TAKES_CHECKPOINT = (RunState.RUNNING, RunState.CHECKPOINTING)
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)
+
+
+async def force(book: RunBook) -> None:
+    """A person asked for a checkpoint (before maintenance, say): every rank takes one at the next
+    step they agree on, and the run shows CHECKPOINTING until its verdict."""
+    book.move(RunState.CHECKPOINTING, "a checkpoint was asked for")
+    status = book.status
+    command = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=book.command("checkpoint"))
+    await calls.command(command, "checkpoint at the next step all ranks agree on")
 
 
 async def judge_leftovers(book: RunBook) -> None:

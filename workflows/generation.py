@@ -17,7 +17,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.workflow import ActivityHandle
 
-from stayalive.workflows import calls, incidents, stragglers
+from stayalive.workflows import calls, checkpoints, incidents, stragglers
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
@@ -197,10 +197,14 @@ async def supervise(
     """Act on what the monitor finds until something ends the generation (or the wait): how the
     generation ended, an event `ends` wants (a hold's AllHeld), a person's request, or the moment to
     continue as new; None once `until()` holds. Verdicts are filed as they come."""
+
+    def news() -> bool:  # what this loop can take: not a request during a hold, nor a checkpoint before a step
+        return inbox.news(take_requests, book.state in checkpoints.TAKES_CHECKPOINT)
+
     while True:
         gen.hear(book, inbox)
-        if gen.ending() is None and not inbox.news():
-            await _news_or_end(book, inbox, gen)
+        if gen.ending() is None and not news():
+            await _news_or_end(book, inbox, gen, news)
             gen.hear(book, inbox)
         ended = gen.ending()
         for event in [*inbox.events(gen.number), *([ended] if ended is not None else [])]:
@@ -212,9 +216,15 @@ async def supervise(
                 return event  # type: ignore[return-value]  # the union of what `ends` picks
             await _on_finding(book, inbox, event)
         book.file_verdicts(inbox.take_verdicts())
+        incidents.file_partitions(book, inbox)
         await retune(book)
         if until():
             return None
+        if inbox.checkpoint_asked and book.state in checkpoints.TAKES_CHECKPOINT:
+            inbox.checkpoint_asked = False
+            if gen.quiet() is not None:
+                gen.watch_again(book)  # the checkpoint's verdict comes from a watching monitor
+            await checkpoints.force(book)
         if take_requests and inbox.requests:
             if gen.quiet() is not None:
                 gen.watch_again(book)  # a request is carried out with the ranks watched
@@ -236,22 +246,21 @@ async def retune(book: RunBook) -> None:
     await calls.command(command, f"checkpoint every {choice.seconds:.4g}s from now: {choice.why}")
 
 
-async def _news_or_end(book: RunBook, inbox: Inbox, gen: Generation) -> None:
-    """Until something arrives in the inbox or the monitor completes (a monitor that is done without
-    an ending, cancelled, leaves only the inbox). A quiet monitor is watched again at the time it
-    named, at once when a person asks something or the ranks are sent a command."""
+async def _news_or_end(book: RunBook, inbox: Inbox, gen: Generation, news: Callable[[], bool]) -> None:
+    """Until `news()` or the monitor completes (a monitor that is done without an ending, cancelled,
+    leaves only the inbox). A quiet monitor is watched again at the time it named, at once when
+    there is news."""
     if (quiet := gen.quiet()) is not None:
         asleep = timedelta(seconds=max(0.0, quiet.until - workflow.now().timestamp()))
-        commands = book.status.command_seq
-        await inbox.until(lambda: bool(inbox.requests) or book.status.command_seq != commands, asleep)
+        await inbox.until(news, asleep)
         gen.watch_again(book)
         return
     if gen.monitor.done():
-        await inbox.wait()
+        await inbox.until(news)
         return
-    news = asyncio.ensure_future(inbox.wait())
-    await workflow.wait([gen.monitor, news], return_when=asyncio.FIRST_COMPLETED)
-    news.cancel()
+    waiting = asyncio.ensure_future(inbox.until(news))
+    await workflow.wait([gen.monitor, waiting], return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
 
 
 async def _on_finding(book: RunBook, inbox: Inbox, event: MonitorEvent) -> None:

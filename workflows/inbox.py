@@ -1,5 +1,6 @@
 """What reaches a run between its decisions: the run monitor's reports and the keeper's verdicts (by
-signal), and what people ask (by signal and update), each in the order it arrived.
+signal), node agents' partition reports (by signal), and what people ask (by signal and update),
+each in the order it arrived.
 
 The workflow's handlers only put things here; the main loop takes them out and decides.
 """
@@ -15,6 +16,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from stayalive.core.events import CheckpointJudged, MonitorEvent, MonitorReport
+    from stayalive.core.fencing import PartitionReport
 
 
 @dataclass
@@ -34,14 +36,19 @@ class Inbox:
     reports: list[MonitorReport] = field(default_factory=list)
     verdicts: list[CheckpointJudged] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
+    partitions: list[PartitionReport] = field(default_factory=list)
     resumed: bool = False  # a person signalled `resume`
+    checkpoint_asked: bool = False  # a person signalled `force_checkpoint`: taken once the ranks train
 
-    def news(self) -> bool:
-        return bool(self.reports or self.verdicts or self.requests)
+    def news(self, requests: bool = True, checkpoint: bool = True) -> bool:
+        """Something to decide on. `requests`, `checkpoint`: whether a person's requests, and an asked
+        checkpoint, count (not while the loop cannot take them: it would wake for nothing)."""
+        asked = (requests and bool(self.requests)) or (checkpoint and self.checkpoint_asked)
+        return bool(self.reports or self.verdicts or self.partitions) or asked
 
-    async def wait(self, timeout: timedelta | None = None) -> bool:
-        """Until something arrives (True), or `timeout` passes (False)."""
-        return await self.until(self.news, timeout)
+    def pending(self) -> bool:
+        """Something a person asked, or a partition, not yet taken: the next segment would not see it."""
+        return bool(self.requests or self.partitions) or self.checkpoint_asked
 
     async def until(self, ready: Callable[[], bool], timeout: timedelta | None = None) -> bool:
         """Until `ready()` (True), or `timeout` passes (False)."""
@@ -65,3 +72,7 @@ class Inbox:
     def take_verdicts(self) -> list[CheckpointJudged]:
         verdicts, self.verdicts = self.verdicts, []
         return verdicts
+
+    def take_partitions(self) -> list[PartitionReport]:
+        partitions, self.partitions = self.partitions, []
+        return partitions

@@ -16,6 +16,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from stayalive.workflows import calls
+from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
     from stayalive.core.control import HangInput
@@ -181,3 +182,13 @@ def page(book: RunBook, classification: Classification, summary: str) -> Page:
         webhook_url=str(sinks.webhook) if sinks.webhook else None,
         jsonl_path=sinks.jsonl,
     )
+
+
+def file_partitions(book: RunBook, inbox: Inbox) -> None:
+    """Node agents that fenced themselves out of a generation they were cut off from: each one's
+    node-lost entry becomes a partition, through the book."""
+    for report in inbox.take_partitions():
+        if (amended := book.partitioned(report)) is None:
+            workflow.logger.info("partition of %s (g%s): no lost node to amend", report.node, report.generation)
+        else:
+            workflow.logger.warning("interruption amended: %s", amended.line())

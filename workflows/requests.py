@@ -107,8 +107,12 @@ async def stopped(book: RunBook, inbox: Inbox) -> None:
     while book.state == RunState.STOPPED:
         short = len(status.nodes) < spec.min_nodes
         woken = await inbox.until(
-            lambda: inbox.resumed or bool(inbox.requests), timedelta(seconds=delay) if short else None
+            lambda: inbox.resumed or bool(inbox.requests or inbox.partitions),
+            timedelta(seconds=delay) if short else None,
         )
+        incidents.file_partitions(book, inbox)
+        if woken and not (inbox.resumed or inbox.requests):
+            continue  # only a partition report: filed
         if short and not inbox.requests:
             # The timer, or a `resume` saying nodes may be back (a requeued Slurm job's agents are up
             # again): look for them now, and soon again after a wake.

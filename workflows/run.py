@@ -25,7 +25,7 @@ from stayalive.workflows.inbox import Inbox, Request
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from stayalive.core.control import CommandRanks, ReleaseRanks
+    from stayalive.core.control import ReleaseRanks
     from stayalive.core.events import (
         CHECKPOINT_JUDGED,
         MONITOR_REPORT,
@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
         RanksFinished,
         SdcDetected,
     )
-    from stayalive.core.fencing import PARTITION_REPORT, PartitionReport, amend
+    from stayalive.core.fencing import PARTITION_REPORT, PartitionReport
     from stayalive.core.fleet_requests import RecordExposure
     from stayalive.core.goodput import ledger, recent_goodput
     from stayalive.core.health import Health, health_table
@@ -179,12 +179,10 @@ class RunWorkflow:
         return sorted([*status.rejected_checkpoints, *status.checkpoints], key=lambda c: (c.step, c.generation))
 
     @workflow.signal
-    async def force_checkpoint(self) -> None:
-        """Checkpoint at the next step every rank agrees on (before maintenance, say)."""
-        status = self.book.status
-        self.book.move(RunState.CHECKPOINTING, "a checkpoint was asked for")
-        command = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=self.book.command("checkpoint"))
-        await calls.command(command, "checkpoint at the next step all ranks agree on")
+    def force_checkpoint(self) -> None:
+        """Checkpoint at the next step every rank agrees on (before maintenance, say); a run whose
+        ranks are not training yet (launching, held, paused) takes it once they are."""
+        self.inbox.checkpoint_asked = True
 
     @workflow.signal(name=MONITOR_REPORT)
     def monitor_report(self, report: MonitorReport) -> None:
@@ -200,10 +198,7 @@ class RunWorkflow:
     def partitioned(self, report: PartitionReport) -> None:
         """A node agent fenced itself out of a generation it was cut off from: the node-lost entry of
         that generation was a partition (core/fencing.py)."""
-        if (amended := amend(self.book.status.interruptions, report)) is None:
-            workflow.logger.info("partition of %s (g%s): no lost node to amend", report.node, report.generation)
-        else:
-            workflow.logger.warning("interruption amended: %s", amended.line())
+        self.inbox.partitions.append(report)
 
     @workflow.signal
     def pause(self, reason: str = "paused by an operator") -> None:
@@ -400,7 +395,7 @@ class RunWorkflow:
     def _continue_as_new_due(self, between_generations: bool) -> bool:
         if not workflow.info().is_continue_as_new_suggested() or self.book.state.terminal:
             return False
-        if self.inbox.requests:  # a person waits for its answer from this segment
+        if self.inbox.pending():  # a person's request, or a partition, that this segment has not taken
             return False
         self.suggested_at = self.suggested_at or workflow.now()
         return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
