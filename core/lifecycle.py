@@ -1,7 +1,7 @@
 """The run's state machine (docs/architecture.md §5) as a table: every move a run may make, each with why.
 
 RunBook.move (core/runbook.py) checks every change of state against it; a move that is not here is
-refused and logged, and the run stays where it was. The table is what the web UI's RunState column
+a bug, and raises. The table is what the web UI's RunState column
 can show, in the order a run lives it.
 """
 
@@ -68,6 +68,8 @@ TRANSITIONS: dict[RunState, dict[RunState, str]] = {
         S.RESIZING: "drain: every rank holds and the held step's checkpoint is judged; the group is rebuilt",
         S.STOPPED: "pause: every rank holds and the held step's checkpoint is judged; a person resumes it",
         S.RESUMING: "a rank or node failed before every rank held: restart from a checkpoint instead",
+        S.DIAGNOSING: "no step within the watchdog's timeout before every rank held: dumping stacks",
+        S.COMPLETED: "every rank reached the target step before it held, and its checkpoint is valid",
     },
     S.DIAGNOSING: {
         S.RESUMING: "the stacks are in and the culprit's node is out: the next generation starts",

@@ -2,8 +2,9 @@
 
 RunWorkflow is a thin shell over a RunBook, as FleetWorkflow is over core/fleet.py: the workflow
 waits and calls activities, the book records what came of it. Pure: the time comes in as an argument,
-and a change of state is checked against core/lifecycle.py's table; a move the table does not allow
-is refused and reported to `on_refused`, and the run stays where it was.
+and a change of state is checked against core/lifecycle.py's table. A move the table does not have
+is a bug, not a decision: it raises (IllegalMove), and the workflow task fails and is retried until
+a fixed worker takes it, the run untouched meanwhile.
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ def _ignore(*_: object) -> None:
     pass
 
 
+class IllegalMove(Exception):
+    """A change of state that core/lifecycle.py's table does not have."""
+
+
 class RunBook:
     def __init__(
         self,
         status: RunStatus,
         on_move: Callable[[RunStatus, str], None] = _ignore,
-        on_refused: Callable[[RunState, RunState, str], None] = _ignore,
         on_progress: Callable[[RunStatus], None] = _ignore,
     ) -> None:
         self.status = status
         self.on_move = on_move  # the workflow shows the new state (web UI details, search attributes)
-        self.on_refused = on_refused
         # New live numbers or a checkpoint: the workflow refreshes its details and, now and then, its listing.
         self.on_progress = on_progress
         self.held_at: int | None = None  # the step every rank holds at, while a drain or a pause is judged
@@ -121,18 +124,13 @@ class RunBook:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def move(self, to: RunState, note: str = "") -> bool:
-        """Change state if the lifecycle allows it; True when the run is now in `to`."""
+    def move(self, to: RunState, note: str = "") -> None:
+        """Change state as the lifecycle allows (the same state again: news for the web UI's details)."""
         current = self.status.state
-        if current == to:
-            self.on_move(self.status, note)  # the same state with news (a note for the web UI)
-            return True
-        if why(current, to) is None:
-            self.on_refused(current, to, note)
-            return False
+        if current != to and why(current, to) is None:
+            raise IllegalMove(f"the run's lifecycle has no move from {current} to {to} ({note or 'no note'})")
         self.status.state = to
         self.on_move(self.status, note)
-        return True
 
     def fail(self, reason: str) -> None:
         """The run cannot go on, whoever tries: nothing will resume it."""

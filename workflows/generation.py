@@ -198,8 +198,13 @@ async def supervise(
     generation ended, an event `ends` wants (a hold's AllHeld), a person's request, or the moment to
     continue as new; None once `until()` holds. Verdicts are filed as they come."""
 
-    def news() -> bool:  # what this loop can take: not a request during a hold, nor a checkpoint before a step
-        return inbox.news(take_requests, book.state in checkpoints.TAKES_CHECKPOINT)
+    def takes_request() -> bool:
+        """A hold is asked of training ranks: a drain or a pause waits for RUNNING; a rollback does not."""
+        running = book.state == RunState.RUNNING
+        return take_requests and bool(inbox.requests) and (running or inbox.requests[0].kind == "rollback")
+
+    def news() -> bool:  # what this loop can take: no request during a hold, no checkpoint before a step
+        return inbox.news(takes_request(), book.state in checkpoints.TAKES_CHECKPOINT)
 
     while True:
         gen.hear(book, inbox)
@@ -225,7 +230,7 @@ async def supervise(
             if gen.quiet() is not None:
                 gen.watch_again(book)  # the checkpoint's verdict comes from a watching monitor
             await checkpoints.force(book)
-        if take_requests and inbox.requests:
+        if takes_request():
             if gen.quiet() is not None:
                 gen.watch_again(book)  # a request is carried out with the ranks watched
             return inbox.requests.pop(0)

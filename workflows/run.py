@@ -96,7 +96,7 @@ class RunWorkflow:
             info = workflow.info()
             run_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}"
             status, verdicts = RunStatus(spec=input, run_id=run_id, nodes=list(input.nodes)), []
-        self.book = RunBook(status, on_move=self._show, on_refused=self._refused, on_progress=self._progressed)
+        self.book = RunBook(status, on_move=self._show, on_progress=self._progressed)
         self.inbox = Inbox(verdicts=list(verdicts))
         self.pages: list[Page] = []  # filed once the next generation is launched: never on the restart path
         self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
@@ -265,7 +265,7 @@ class RunWorkflow:
         status = book.status
         reattach, rejoin = status.reattach, status.membership is not None
         if not reattach:
-            book.move(RunState.LAUNCHING if status.generation == 0 else RunState.RESUMING)
+            book.move(RunState.LAUNCHING if book.state == RunState.PENDING else RunState.RESUMING)
             if status.generation > 0 and not rejoin:
                 await checkpoints.judge_leftovers(book)
             resume = status.latest_valid_checkpoint()
@@ -410,9 +410,6 @@ class RunWorkflow:
         self.note = note
         workflow.set_current_details(health_table(status, note))
         self._list(RUN_STATE.value_set(status.state.value))
-
-    def _refused(self, current: RunState, to: RunState, note: str) -> None:
-        workflow.logger.warning("the run stays %s: the lifecycle has no move to %s (%s)", current, to, note)
 
     def _progressed(self, status: RunStatus) -> None:
         """New numbers between state changes: the details at once (they cost no history), Step and

@@ -1,4 +1,5 @@
-"""The run's state machine: the moves docs/architecture.md §5 draws are in the table, the book refuses the rest."""
+"""The run's state machine: the moves docs/architecture.md §5 draws are in the table, the book makes each
+of them and raises on any other."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from stayalive.core.lifecycle import TRANSITIONS, RunState, why
 from stayalive.core.run import RunStatus
-from stayalive.core.runbook import RunBook
+from stayalive.core.runbook import IllegalMove, RunBook
 from tests.core.runs import at, interruption
 from tests.helpers import tiny_spec
 
@@ -45,9 +46,29 @@ def test_every_move_of_the_design_is_in_the_table_with_why(current: RunState, to
     assert reason is not None and len(reason) > 20, f"{current} → {to}"
 
 
-@pytest.mark.parametrize(
-    ("current", "to"),
-    [
+EDGES = [(current, to) for current, moves in TRANSITIONS.items() for to in moves]
+NOT_EDGES = [(current, to) for current in S for to in S if current != to and to not in TRANSITIONS[current]]
+
+
+@pytest.mark.parametrize(("current", "to"), EDGES, ids=[f"{a}-{b}" for a, b in EDGES])
+def test_the_book_makes_every_move_of_the_table(current: RunState, to: RunState) -> None:
+    shown: list[RunState] = []
+    book = RunBook(RunStatus(spec=tiny_spec(Path("/ckpt")), state=current), on_move=lambda s, _: shown.append(s.state))
+    book.move(to, "why")
+    assert book.state == to and shown == [to]
+
+
+@pytest.mark.parametrize(("current", "to"), NOT_EDGES, ids=[f"{a}-{b}" for a, b in NOT_EDGES])
+def test_a_move_outside_the_table_raises_and_changes_nothing(current: RunState, to: RunState) -> None:
+    shown: list[RunState] = []
+    book = RunBook(RunStatus(spec=tiny_spec(Path("/ckpt")), state=current), on_move=lambda s, _: shown.append(s.state))
+    with pytest.raises(IllegalMove, match=f"no move from {current} to {to}"):
+        book.move(to)
+    assert book.state == current and shown == []
+
+
+def test_the_table_refuses_what_the_design_forbids() -> None:
+    forbidden = [
         (S.PENDING, S.RUNNING),  # nothing runs before a launch
         (S.COMPLETED, S.RESUMING),  # the end is the end
         (S.FAILED, S.RUNNING),
@@ -55,16 +76,9 @@ def test_every_move_of_the_design_is_in_the_table_with_why(current: RunState, to
         (S.STOPPED, S.RUNNING),  # a stopped run resumes through a launch
         (S.DIAGNOSING, S.RUNNING),  # a hang always restarts
         (S.RESIZING, S.RUNNING),
-    ],
-)
-def test_moves_outside_the_table_are_refused_and_reported(current: RunState, to: RunState) -> None:
-    refused: list[tuple[RunState, RunState]] = []
-    book = RunBook(
-        RunStatus(spec=tiny_spec(Path("/ckpt")), state=current), on_refused=lambda a, b, _: refused.append((a, b))
-    )
-    assert not book.move(to)
-    assert book.state == current
-    assert refused == [(current, to)]
+    ]
+    assert set(forbidden) <= set(NOT_EDGES)
+    assert len(EDGES) + len(NOT_EDGES) == len(S) * (len(S) - 1) + sum(1 for s in S if s in TRANSITIONS[s])
 
 
 def test_only_the_ends_are_dead_ends() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from stayalive.core.events import StorageOutage
 from stayalive.core.health import Health
 from stayalive.core.paging import storage_outage
-from stayalive.core.run import Outage
+from stayalive.core.run import Outage, RunState
 from stayalive.core.runbook import RunBook
 from tests.core.runs import at, status
 
@@ -45,7 +45,7 @@ def test_an_outage_is_one_detection_paged_once_and_closed_by_the_checkpoint_that
 def test_a_run_that_completes_has_its_storage_back_though_its_last_commit_was_not_read() -> None:
     """The last ranks may exit before the monitor reads the commit that ended the outage; the final
     checkpoint, valid, is on storage all the same."""
-    book = RunBook(status())
+    book = RunBook(status(state=RunState.RUNNING))
     book.storage(event("began", 100))
     book.complete(1000, at(seconds=130))
     assert book.status.storage_outage is None
