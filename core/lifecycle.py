@@ -8,6 +8,7 @@ can show, in the order a run lives it.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 
 class RunState(StrEnum):
@@ -98,3 +99,19 @@ for _state, _moves in TRANSITIONS.items():
 def why(current: RunState, to: RunState) -> str | None:
     """Why a run may move from `current` to `to`; None if it may not."""
     return TRANSITIONS[current].get(to)
+
+
+# What a person asks is taken in the states that can act on it: a checkpoint and a hold (drain,
+# pause) are asked of ranks that train, so they wait for a launch's first step or the end of a hold
+# (a run already checkpointing takes another checkpoint); a rollback is taken whenever it comes.
+Ask = Literal["checkpoint", "drain", "pause", "rollback"]
+_TAKEN_IN: dict[Ask, tuple[RunState, ...]] = {
+    "checkpoint": (S.RUNNING, S.CHECKPOINTING),
+    "drain": (S.RUNNING,),
+    "pause": (S.RUNNING,),
+}
+
+
+def takes(state: RunState, ask: Ask) -> bool:
+    """Whether a run in `state` carries out `ask` now (else it waits in the inbox)."""
+    return ask == "rollback" or state in _TAKEN_IN[ask]

@@ -18,9 +18,6 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.lifecycle import RunState
     from stayalive.core.runbook import RunBook
 
-# The states whose ranks train and take a command at their next agreed step: an asked checkpoint waits
-# for one (a launch's first step, the end of a hold or a pause).
-TAKES_CHECKPOINT = (RunState.RUNNING, RunState.CHECKPOINTING)
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)
 

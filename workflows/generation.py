@@ -44,7 +44,7 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.faults import HARDWARE
     from stayalive.core.interval import checkpoint_steps, choose_interval
     from stayalive.core.launch import Launch, supervision_env
-    from stayalive.core.lifecycle import RunState
+    from stayalive.core.lifecycle import RunState, takes
     from stayalive.core.runbook import RunBook
 
 
@@ -199,12 +199,10 @@ async def supervise(
     continue as new; None once `until()` holds. Verdicts are filed as they come."""
 
     def takes_request() -> bool:
-        """A hold is asked of training ranks: a drain or a pause waits for RUNNING; a rollback does not."""
-        running = book.state == RunState.RUNNING
-        return take_requests and bool(inbox.requests) and (running or inbox.requests[0].kind == "rollback")
+        return take_requests and bool(inbox.requests) and takes(book.state, inbox.requests[0].kind)
 
-    def news() -> bool:  # what this loop can take: no request during a hold, no checkpoint before a step
-        return inbox.news(takes_request(), book.state in checkpoints.TAKES_CHECKPOINT)
+    def news() -> bool:  # what this loop can take now (core/lifecycle.py's `takes`), or no request in a hold
+        return inbox.news(takes_request(), takes(book.state, "checkpoint"))
 
     while True:
         gen.hear(book, inbox)
@@ -225,7 +223,7 @@ async def supervise(
         await retune(book)
         if until():
             return None
-        if inbox.checkpoint_asked and book.state in checkpoints.TAKES_CHECKPOINT:
+        if inbox.checkpoint_asked and takes(book.state, "checkpoint"):
             inbox.checkpoint_asked = False
             if gen.quiet() is not None:
                 gen.watch_again(book)  # the checkpoint's verdict comes from a watching monitor

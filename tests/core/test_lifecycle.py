@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stayalive.core.lifecycle import TRANSITIONS, RunState, why
+from stayalive.core.lifecycle import TRANSITIONS, Ask, RunState, takes, why
 from stayalive.core.run import RunStatus
 from stayalive.core.runbook import IllegalMove, RunBook
 from tests.core.runs import at, interruption
@@ -116,3 +116,23 @@ def test_spares_come_first_then_the_runs_own_nodes_back_from_a_self_test() -> No
     book = wide_book(["a", "b", "c"], ["s1", "s2"], 2)
     book.replaced(interruption(at(), node="b"), "b", "s1")
     assert book.spare_candidates() == ["s2", "b"]
+
+
+@pytest.mark.parametrize(
+    ("state", "ask", "taken"),
+    [
+        (S.RUNNING, "checkpoint", True),
+        (S.CHECKPOINTING, "checkpoint", True),  # one asked while another is taken: taken again
+        (S.LAUNCHING, "checkpoint", False),  # waits for the first step
+        (S.DRAINING, "checkpoint", False),  # waits for the end of the hold
+        (S.STOPPED, "checkpoint", False),  # a paused run checkpoints once it runs again
+        (S.RUNNING, "pause", True),
+        (S.RESUMING, "pause", False),  # a hold is asked of ranks that train
+        (S.CHECKPOINTING, "drain", False),
+        (S.RUNNING, "drain", True),
+        (S.LAUNCHING, "rollback", True),  # a rollback does not need the ranks
+        (S.CHECKPOINTING, "rollback", True),
+    ],
+)
+def test_what_a_person_asks_waits_for_a_state_that_can_act_on_it(state: RunState, ask: Ask, taken: bool) -> None:
+    assert takes(state, ask) == taken
