@@ -25,13 +25,13 @@ from temporalio import activity
 
 from stayalive.activities.reporting import Heartbeat, signal_run
 from stayalive.activities.telemetry import NodeStreams
-from stayalive.core.checkpoints import ChooseInput, TestLoad, norm_problem
-from stayalive.core.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
-from stayalive.core.fencing import fenced_out
-from stayalive.core.recovery import file_judged
-from stayalive.core.retention import to_delete
-from stayalive.core.run import CheckpointRecord
-from stayalive.core.telemetry import CheckpointCommitted, Subscribe
+from stayalive.core.decisions.checkpoints import ChooseInput, TestLoad, norm_problem
+from stayalive.core.decisions.fencing import fenced_out
+from stayalive.core.decisions.recovery import file_judged
+from stayalive.core.decisions.retention import to_delete
+from stayalive.core.messages.events import CHECKPOINT_JUDGED, CheckpointJudged, KeeperInput, MonitorInput
+from stayalive.core.protocol.telemetry import CheckpointCommitted, Subscribe
+from stayalive.core.run.status import CheckpointRecord
 from stayalive.training.checkpoint import (
     CheckpointError,
     parse_checkpoint_dirname,

@@ -21,8 +21,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from stayalive.core.fleet import Baseline, EvictionOutcome, FailureRate, FleetAnswer
-from stayalive.core.fleet_requests import (
+from stayalive.core.fleet.model import Baseline, EvictionOutcome, FailureRate, FleetAnswer
+from stayalive.core.fleet.requests import (
     Acquire,
     FleetOp,
     FleetRequest,

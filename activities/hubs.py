@@ -1,8 +1,8 @@
 """Talking to node agents from the supervisor: one request, one answer, on a connection of its own
-to the agent's hub (core.control), and the same request to many agents at once, a bounded number in
+to the agent's hub (core.messages.control), and the same request to many agents at once, a bounded number in
 flight. An agent that does not answer in time is reported by name, never raised: to a run, a node
 that does not answer is a lost node. Every connection first proves it holds the fleet's secret
-(core.access)."""
+(core.protocol.access)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ValidationError
 
-from stayalive.core.access import knock
-from stayalive.core.control import AgentAnswer, Refused, agent_answer
-from stayalive.core.launch import Endpoint
+from stayalive.core.messages.control import AgentAnswer, Refused, agent_answer
+from stayalive.core.protocol.access import knock
+from stayalive.core.run.launch import Endpoint
 
 # Requests in flight at once from one activity: enough that 2,048 agents answer in a few rounds,
 # few enough that one supervisor's sockets and event loop are not swamped.

@@ -19,8 +19,8 @@ import structlog
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from temporalio.client import Client
 
-from stayalive.core.health import Health
-from stayalive.core.run import Cause
+from stayalive.core.book.health import Health
+from stayalive.core.run.timeline import Cause
 
 log = structlog.get_logger()
 

@@ -1,7 +1,7 @@
 """The run monitor: one long-running activity per generation that reads every node's telemetry, with
 two loops.
 
-The watch loop folds the records into core.watch.GenerationWatch, which runs the detectors and tells
+The watch loop folds the records into core.monitor.watch.GenerationWatch, which runs the detectors and tells
 how the generation ends. It heartbeats a live summary (step, loss, steps/s, step-time p50/max,
 slowest rank) and signals the workflow a typed event only when the workflow has something to decide:
 the first step, a straggler, a slowdown of the whole run, a skipped update, healthy windows for the
@@ -25,7 +25,7 @@ from stayalive.activities.checkpoints import Handover, keep_checkpoints
 from stayalive.activities.fleet import FleetActivities
 from stayalive.activities.reporting import Heartbeat, signal_run
 from stayalive.activities.telemetry import NodeStreams
-from stayalive.core.events import (
+from stayalive.core.messages.events import (
     MONITOR_REPORT,
     AllHeld,
     Hang,
@@ -37,9 +37,9 @@ from stayalive.core.events import (
     RanksFinished,
     SdcDetected,
 )
-from stayalive.core.run import Outage
-from stayalive.core.telemetry import Subscribe
-from stayalive.core.watch import GenerationWatch
+from stayalive.core.monitor.watch import GenerationWatch
+from stayalive.core.protocol.telemetry import Subscribe
+from stayalive.core.run.status import Outage
 
 HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving

@@ -1,4 +1,4 @@
-"""The supervisor's activities that act on nodes: each carries one request (core.control) to the node
+"""The supervisor's activities that act on nodes: each carries one request (core.messages.control) to the node
 agents of a run, many at once, over their hubs, whose addresses the fleet keeps.
 
 This is the run's fan-out to its nodes. It lives in activities, not in workflow history: whatever the
@@ -20,7 +20,10 @@ from temporalio import activity
 
 from stayalive.activities.fleet import FleetActivities
 from stayalive.activities.hubs import NoAnswer, ask, ask_each
-from stayalive.core.control import (
+from stayalive.core.fleet.model import SelfTestResult
+from stayalive.core.fleet.requests import SelfTestInput
+from stayalive.core.judgement.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
+from stayalive.core.messages.control import (
     CommandRanks,
     DumpStacks,
     HangInput,
@@ -37,10 +40,7 @@ from stayalive.core.control import (
     StackDump,
     StartRanks,
 )
-from stayalive.core.fleet import SelfTestResult
-from stayalive.core.fleet_requests import SelfTestInput
-from stayalive.core.hangs import SITE_NAMES, CollectiveProgress, HangFinding, find_culprit, stack_groups
-from stayalive.core.launch import Launch, Launched, NodeLaunch
+from stayalive.core.run.launch import Launch, Launched, NodeLaunch
 from stayalive.training.checkpoint import within_root, write_fence
 
 log = structlog.get_logger()
@@ -141,7 +141,7 @@ class NodeActivities:
     async def dump_stacks(self, request: HangInput) -> HangStacks:
         """Every live rank's Python stacks and collective counts, kept in one file under the run's
         directory: the counts, each distinct stack once with the ranks that share it, and the culprit
-        they point at (core/hangs.py: the counts first, then the stacks)."""
+        they point at (core/judgement/hangs.py: the counts first, then the stacks)."""
         hubs = await self.fleet.hubs(request.nodes)
         async with _heartbeating():
             dumps, missing = await ask_each(
@@ -188,7 +188,7 @@ class NodeActivities:
 
 def raise_fence(run_id: str, directory: Path, generation: int) -> None:
     """Before any rank of `generation` starts: no older generation commits a checkpoint of the run
-    from now on (core/fencing.py). The first generation has nothing older, and no directory yet."""
+    from now on (core/decisions/fencing.py). The first generation has nothing older, and no directory yet."""
     if not directory.is_dir():
         if generation > 0:
             log.warning("checkpoint directory unreachable: fence not raised", run_id=run_id, generation=generation)

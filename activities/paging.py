@@ -19,7 +19,7 @@ import structlog
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from stayalive.core.paging import Page
+from stayalive.core.decisions.paging import Page
 
 log = structlog.get_logger()
 

@@ -18,8 +18,8 @@ import structlog
 from pydantic import ValidationError
 
 from stayalive.activities.hubs import open_hub
-from stayalive.core.control import Refused
-from stayalive.core.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
+from stayalive.core.messages.control import Refused
+from stayalive.core.protocol.telemetry import FRAME_MARK, Ack, Beat, Record, Subscribe, frame_seq, steps_frame
 
 log = structlog.get_logger()
 
@@ -54,7 +54,7 @@ class NodeStreams:
 
     def keepalive(self) -> None:
         """Tell every node this reader is still there (an Ack of nothing): an agent unread for long
-        takes itself for cut off from the run and fences itself out (core/fencing.py)."""
+        takes itself for cut off from the run and fences itself out (core/decisions/fencing.py)."""
         line = Ack(seq=0).model_dump_json().encode() + b"\n"
         for writer in self._writers.values():
             with contextlib.suppress(ConnectionError, RuntimeError):

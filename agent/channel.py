@@ -1,7 +1,7 @@
 """One run's traffic on one node: the records its ranks and its agent produce, numbered, and where
 each reader of them (the run monitor's loops) has got to.
 
-A rank's step reports are folded into one NodeSteps per step for the whole node (core.progress's
+A rank's step reports are folded into one NodeSteps per step for the whole node (core.monitor.progress's
 StepBatcher), so the monitor reads one record per node per step, not one per rank. A reader's place
 is kept here, on the node that produced the records: a monitor that restarts (a retried attempt,
 the next workflow segment) resumes after the last record it acknowledged, and the workflow carries
@@ -16,8 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from stayalive.core.progress import StepBatcher
-from stayalive.core.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
+from stayalive.core.monitor.progress import StepBatcher
+from stayalive.core.protocol.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
 
 # Records a node keeps per run for a reader that reconnects: minutes of steps at thousands of steps/s.
 RETAINED = 200_000
@@ -35,7 +35,7 @@ class RunChannel:
     acked: dict[str, int] = field(default_factory=dict)  # reader → the last seq it acknowledged
     batchers: dict[int, StepBatcher] = field(default_factory=dict)  # generation → this node's steps
     # When a named reader (the run monitor) last said anything here, or the last launch: an agent
-    # whose ranks run unread for long is cut off from the run (core.fencing.cut_off).
+    # whose ranks run unread for long is cut off from the run (core.decisions.fencing.cut_off).
     read_at: float = field(default_factory=time.monotonic)
     holding: set[int] = field(default_factory=set)  # ranks that hold (a pause, a drain): they write nothing
     _arrival: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())

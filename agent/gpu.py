@@ -1,4 +1,4 @@
-"""GPU health readings for the straggler diagnosis (core/diagnosis.py), one interface, two sources:
+"""GPU health readings for the straggler diagnosis (core/judgement/diagnosis.py), one interface, two sources:
 
 - `NvmlTelemetry` reads the node's GPUs through NVML (pynvml, from nvidia-ml-py);
 - `SimulatedTelemetry` returns healthy readings, changed by the telemetry faults currently injected
@@ -15,8 +15,8 @@ from typing import Any, Protocol, TypeVar
 import pynvml
 import structlog
 
-from stayalive.core.diagnosis import GpuHealth, ThrottleReason
-from stayalive.core.faults import TelemetryFault
+from stayalive.core.judgement.diagnosis import GpuHealth, ThrottleReason
+from stayalive.core.run.faults import TelemetryFault
 
 log = structlog.get_logger()
 

@@ -4,13 +4,13 @@
 - A reader, the run monitor on the supervisor (Subscribe): a run's records, resuming after the last
   one it acknowledged; step batches as binary frames when asked; a Beat every second.
 - A rank on another host (PutFile, GetFile): a checkpoint shard into or out of the host-memory tier.
-- The supervisor (core.control's requests): launch, command, dump stacks, release, self-test; one
+- The supervisor (core.messages.control's requests): launch, command, dump stacks, release, self-test; one
   JSON line answered by one.
 - A node agent's relay, for a rank on another host (OpenStore): a connection to the generation's
   rendezvous store, which listens on this host's loopback only (agent/relay.py).
 Everything else is one JSON object per line.
 
-Before any of it the caller proves it holds a key (core.access): a rank its run's token, for its own
+Before any of it the caller proves it holds a key (core.protocol.access): a rank its run's token, for its own
 run only; the supervisor the fleet's secret. A caller that cannot is answered Refused, logged, and
 hung up on, and nothing it sent is acted on.
 """
@@ -30,10 +30,9 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from stayalive.agent.channel import RunChannel
 from stayalive.agent.relay import LOOPBACK, splice
-from stayalive.core.access import Challenge, Proof, proven, run_token
-from stayalive.core.control import AgentAnswer, AgentRequest, Refused
-from stayalive.core.launch import Endpoint
-from stayalive.core.telemetry import (
+from stayalive.core.messages.control import AgentAnswer, AgentRequest, Refused
+from stayalive.core.protocol.access import Challenge, Proof, proven, run_token
+from stayalive.core.protocol.telemetry import (
     FRAME_MARK,
     Ack,
     Beat,
@@ -50,6 +49,7 @@ from stayalive.core.telemetry import (
     pack_steps,
     rank_message,
 )
+from stayalive.core.run.launch import Endpoint
 from stayalive.training.checkpoint import CheckpointError
 from stayalive.training.memory import memory_path
 

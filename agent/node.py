@@ -1,5 +1,5 @@
 """What a node agent does for the supervisor: start, command, inspect and stop the ranks on its host,
-and run its self-test. Each request (core.control) arrives at the hub and is answered by `answer`.
+and run its self-test. Each request (core.messages.control) arrives at the hub and is answered by `answer`.
 
 The agent owns the rank processes, not any request: ranks outlive the launch that started them until
 the next launch, a release or the agent's own death stops them. When it reaps one, it files how the
@@ -30,8 +30,9 @@ from stayalive.agent.hub import NodeHub
 from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
 from stayalive.agent.relay import LOOPBACK, StoreRelay
 from stayalive.agent.selftest import SelfTest
-from stayalive.core.access import run_token
-from stayalive.core.control import (
+from stayalive.core.decisions.fencing import PartitionReport, cut_off
+from stayalive.core.judgement.hangs import CollectiveProgress
+from stayalive.core.messages.control import (
     AgentAnswer,
     AgentRequest,
     DumpStacks,
@@ -47,11 +48,10 @@ from stayalive.core.control import (
     Started,
     StartRanks,
 )
-from stayalive.core.faults import BrokenNode, HardwareFault, TelemetryFault
-from stayalive.core.fencing import PartitionReport, cut_off
-from stayalive.core.hangs import CollectiveProgress
-from stayalive.core.launch import NodeLaunch, rank_env
-from stayalive.core.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
+from stayalive.core.protocol.access import run_token
+from stayalive.core.protocol.telemetry import GpuReport, OpenStore, RankExited, RankStarted, Rejoin
+from stayalive.core.run.faults import BrokenNode, HardwareFault, TelemetryFault
+from stayalive.core.run.launch import NodeLaunch, rank_env
 
 log = structlog.get_logger()
 

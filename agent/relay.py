@@ -3,7 +3,7 @@
 torch's TCPStore has no authentication, lists its keys to anyone who asks (`list_keys`), and binds
 every interface of its host when left to itself. So the store a node agent opens listens on loopback
 only (agent/node.py's `loopback_store`), and ranks on other hosts reach it through its agent's hub, which carries a
-connection to it only for a holder of the run's token (core.telemetry.OpenStore). A rank does not
+connection to it only for a holder of the run's token (core.protocol.telemetry.OpenStore). A rank does not
 speak to the hub itself (any torchrun script must run unchanged, and its env:// rendezvous knows only
 MASTER_ADDR:MASTER_PORT): its own node agent listens for it on loopback (`StoreRelay`) and knocks at
 the store's hub on its behalf.
@@ -16,9 +16,9 @@ import asyncio
 import structlog
 from pydantic import ValidationError
 
-from stayalive.core.access import knock
-from stayalive.core.launch import Endpoint
-from stayalive.core.telemetry import OpenStore, StoreOpened
+from stayalive.core.protocol.access import knock
+from stayalive.core.protocol.telemetry import OpenStore, StoreOpened
+from stayalive.core.run.launch import Endpoint
 
 log = structlog.get_logger()
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from stayalive.core.fleet import SelfTestResult
+from stayalive.core.fleet.model import SelfTestResult
 
 log = structlog.get_logger()
 

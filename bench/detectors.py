@@ -43,9 +43,9 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from stayalive.core.detectors import AbsoluteSlowdown, RelativeStraggler, healthy_window_medians  # noqa: E402
-from stayalive.core.progress import StepIngest  # noqa: E402
-from stayalive.core.telemetry import NodeSteps, pack_steps, steps_frame  # noqa: E402
+from stayalive.core.judgement.detectors import AbsoluteSlowdown, RelativeStraggler, healthy_window_medians  # noqa: E402
+from stayalive.core.monitor.progress import StepIngest  # noqa: E402
+from stayalive.core.protocol.telemetry import NodeSteps, pack_steps, steps_frame  # noqa: E402
 
 RANKS_PER_NODE = 8
 NODES = 2_048
@@ -110,7 +110,7 @@ def step_frames(block: np.ndarray, row: int, step: int) -> list[bytes]:
 
 
 def same_as_pack_steps(block: np.ndarray) -> bool:
-    """The bench's frames are byte for byte what core.telemetry.pack_steps makes of the same step."""
+    """The bench's frames are byte for byte what core.protocol.telemetry.pack_steps makes of the same step."""
     frame = step_frames(block, 0, 1)[0]
     (record,) = np.frombuffer(frame, dtype=block.dtype)
     steps = NodeSteps(

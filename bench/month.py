@@ -30,8 +30,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from stayalive.core.interval import daly, overhead
-from stayalive.core.run import RunState
+from stayalive.core.decisions.interval import daly, overhead
+from stayalive.core.run.lifecycle import RunState
 from stayalive.sim import history
 from stayalive.sim.failure_mix import draw, load_mix
 from stayalive.sim.measure import came_back, interval_error, measured, pages_per_week, repeat_nodes

@@ -2,7 +2,7 @@
 
 R is the time from the fault to the first step every rank has completed after the resume. Both sides
 run the same job (the tiny GPT, 4 ranks, global batch 8, checkpoints every CHECKPOINT_EVERY steps)
-with the same injected crash (core/faults.py: rank 3 exits with 137 in the middle of step
+with the same injected crash (core/run/faults.py: rank 3 exits with 137 in the middle of step
 `--crash-step`, before its gradient all-reduce), and both resume from their newest checkpoint.
 
   stayalive  a headless dev stack (workers/devstack.py) on free ports in a temporary folder: nodes n1,
@@ -43,9 +43,9 @@ from rich.table import Table
 from temporalio.client import Client
 
 from bench.recovery_timeline import Milestones, restart_starts, stayalive_milestones
-from stayalive.core.faults import Crash
-from stayalive.core.run import RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.faults import Crash
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle

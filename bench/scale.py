@@ -26,7 +26,7 @@ from rich.table import Table
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from stayalive.core.run import RunState
+from stayalive.core.run.lifecycle import RunState
 from stayalive.sim import history, scenario
 from stayalive.sim.scenario import Ran
 from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary

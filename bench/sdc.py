@@ -62,7 +62,7 @@ from bench.interleaved import (
     supervised,
     timed_block,
 )
-from stayalive.core.spec import SdcSpec
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.train import Trainer
 

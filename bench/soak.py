@@ -45,10 +45,11 @@ from bench.soak_plan import CHECKPOINT_EVERY, TARGET_STEP, WORLD_SIZE, RunPlan, 
 from bench.soak_report import problems, summary, table
 from harness.records import RecordCollector, sample_tally, step_reports
 from harness.tiny import TINY_ENTRYPOINT, final_state
-from stayalive.core.paging import PagingClass
-from stayalive.core.run import CheckpointRecord, RunResult, RunState
-from stayalive.core.spec import RunSpec
-from stayalive.core.telemetry import RankStarted
+from stayalive.core.protocol.telemetry import RankStarted
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import CheckpointRecord, RunResult
+from stayalive.core.run.timeline import PagingClass
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.netns import Partitionable, usable
 from stayalive.workers.secret import SECRET_ENV, create_secret

@@ -10,9 +10,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.soak_plan import WORLD_SIZE, PlannedFault, RunPlan
-from stayalive.core.lifecycle import RunState
-from stayalive.core.run import CheckpointRecord, Detection, Interruption
-from stayalive.core.telemetry import StepReport
+from stayalive.core.protocol.telemetry import StepReport
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import CheckpointRecord
+from stayalive.core.run.timeline import Detection, Interruption
 
 BLAMING_DETECTIONS = {"straggler", "slowdown"}  # detections that name a culprit
 

@@ -17,8 +17,8 @@ from temporalio.client import Client, WorkflowHandle
 
 from bench.soak_plan import PlannedFault, RunPlan
 from harness.records import hubs, subscribe
-from stayalive.core.run import RunStatus
-from stayalive.core.telemetry import NodeSteps, Record, Subscribe
+from stayalive.core.protocol.telemetry import NodeSteps, Record, Subscribe
+from stayalive.core.run.status import RunStatus
 from stayalive.workers.devstack import DevStack
 from stayalive.workers.netns import Partitionable
 from stayalive.workflows.run import DrainNode, RunWorkflow

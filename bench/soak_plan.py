@@ -51,7 +51,7 @@ class PlannedFault(BaseModel):
     generation: int
     step: int
     rank: int | None = None
-    injected: list[dict[str, Any]] = []  # faults for the spec's plan (core/faults.py)
+    injected: list[dict[str, Any]] = []  # faults for the spec's plan (core/run/faults.py)
     action: str | None = None  # what the bench does itself (bench/soak.py ACTIONS)
     on_restart: bool = False  # the action waits for the previous fault's restart, not a step
     expect: Expect

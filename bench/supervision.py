@@ -43,8 +43,8 @@ from bench.interleaved import (
     supervised,
     timed_block,
 )
-from stayalive.core.access import Challenge
-from stayalive.core.spec import SdcSpec
+from stayalive.core.protocol.access import Challenge
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training.sdc import flat_grads, set_grads
 from stayalive.training.train import Trainer
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stayalive.core.telemetry import StepReport
+from stayalive.core.protocol.telemetry import StepReport
 from stayalive.training import train
 from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_dcp_manifest
 from stayalive.training.run import Run

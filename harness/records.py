@@ -16,7 +16,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowHandle
 
 from stayalive.activities.hubs import open_hub
-from stayalive.core.telemetry import Beat, NodeSteps, Record, StepReport, Subscribe
+from stayalive.core.protocol.telemetry import Beat, NodeSteps, Record, StepReport, Subscribe
 from stayalive.workers.secret import SECRET_ENV, load_secret
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from stayalive.core.run import CheckpointRecord
+from stayalive.core.run.status import CheckpointRecord
 from stayalive.training.checkpoint import DCP_METADATA, read_dcp_manifest
 from stayalive.training.dcp_load import load_dcp_metadata, load_dcp_tensors
 

@@ -17,18 +17,13 @@ from temporalio import activity
 
 from stayalive.activities.checkpoints import Shelf
 from stayalive.activities.paging import deliver_webhook, page
-from stayalive.core.checkpoints import ChooseInput
-from stayalive.core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
-from stayalive.core.events import (
-    FirstStep,
-    MonitorInput,
-    MonitorReport,
-    Quiet,
-)
-from stayalive.core.fleet import SelfTestResult
-from stayalive.core.fleet_requests import SelfTestInput
-from stayalive.core.launch import Launch, Launched
-from stayalive.core.run import CheckpointRecord
+from stayalive.core.decisions.checkpoints import ChooseInput
+from stayalive.core.fleet.model import SelfTestResult
+from stayalive.core.fleet.requests import SelfTestInput
+from stayalive.core.messages.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
+from stayalive.core.messages.events import FirstStep, MonitorInput, MonitorReport, Quiet
+from stayalive.core.run.launch import Launch, Launched
+from stayalive.core.run.status import CheckpointRecord
 from stayalive.sim.cluster import SimulatedCluster
 from stayalive.sim.monitor import Report, launched, until
 from stayalive.sim.server_clock import ServerClock
@@ -43,7 +38,7 @@ class SimulatedSupervisor:
         self.cluster = cluster
         self.silent = silent  # nodes whose agents answer nothing (a launch finds them unreachable)
         # Under a time-skipping server whose clock the cluster reads: each activity reads the clock as
-        # it starts, and a monitor goes quiet (core.events.Quiet) rather than wait for anything later.
+        # it starts, and a monitor goes quiet (core.messages.events.Quiet) rather than wait for anything later.
         self.server = server
 
     def activities(self) -> list[Callable[..., Any]]:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from stayalive.core.launch import Launch
-from stayalive.core.telemetry import Command
+from stayalive.core.protocol.telemetry import Command
+from stayalive.core.run.launch import Launch
 from stayalive.training.checkpoint import parse_checkpoint_dirname
 
 # "damage": the next checkpoint to commit reads back wrong (a shard on a dying drive).

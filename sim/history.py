@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from stayalive.core.events import MONITOR_REPORT
+from stayalive.core.messages.events import MONITOR_REPORT
 
 E = EventType
 _OPENED = {E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}
@@ -31,7 +31,7 @@ _CLOSED = {
 }
 
 
-# A quiet monitor (core.events.Quiet) costs the run's history a cycle: its completion and the
+# A quiet monitor (core.messages.events.Quiet) costs the run's history a cycle: its completion and the
 # workflow task for it, a timer started and fired, the workflow task for that, and the next monitor
 # scheduled and started. The real monitor never goes quiet: for what the cycle brought it sends one
 # signal each, and the workflow task for it (SIGNAL_EVENTS).

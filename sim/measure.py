@@ -12,10 +12,10 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from stayalive.core.goodput import Ledger, ledger
-from stayalive.core.interval import daly, overhead
-from stayalive.core.paging import failure_count, failures, is_planned
-from stayalive.core.run import RunStatus
+from stayalive.core.decisions.goodput import ledger
+from stayalive.core.decisions.interval import daly, overhead
+from stayalive.core.run.status import Ledger, RunStatus
+from stayalive.core.run.timeline import failures, is_planned
 from stayalive.sim.month import DAY_S, MonthRan, pages_file
 
 
@@ -43,7 +43,7 @@ def measured(ran: MonthRan) -> Overhead:
     book = ledger(status, status.finished_at)
     earlier = status.earlier_interruptions
     failed = failures(status.interruptions)
-    count = failure_count(status)
+    count = status.failure_count()
     planned = earlier.planned_recovery_seconds + sum(
         i.restart_seconds or 0.0 for i in status.interruptions if is_planned(i)
     )

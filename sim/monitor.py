@@ -6,7 +6,7 @@ stragglers and slowdowns by signal; a crash, a lost node, a hang or failed SDC c
 holding, as what it completes with. A monitor that replaces another on the same generation (a retry,
 the next segment after continue-as-new) skips what was already signalled, as the real one resumes
 after what it acknowledged. In real time (the dev server) simulated time is the step numbers and
-timestamps it reports; under a time-skipping server it goes quiet (core.events.Quiet) instead of
+timestamps it reports; under a time-skipping server it goes quiet (core.messages.events.Quiet) instead of
 waiting for anything later, and brings its first step and verdicts with its completion.
 """
 
@@ -22,8 +22,8 @@ from temporalio import activity
 
 from stayalive.activities.checkpoints import Shelf
 from stayalive.activities.reporting import signal_run
-from stayalive.core.diagnosis import Diagnosis, Verdict
-from stayalive.core.events import (
+from stayalive.core.judgement.diagnosis import Diagnosis, Verdict
+from stayalive.core.messages.events import (
     CHECKPOINT_JUDGED,
     MONITOR_REPORT,
     AllHeld,
@@ -42,8 +42,8 @@ from stayalive.core.events import (
     SlownessTally,
     StragglerFound,
 )
-from stayalive.core.run import CheckpointRecord, Progress
-from stayalive.core.telemetry import SdcCheck
+from stayalive.core.protocol.telemetry import SdcCheck
+from stayalive.core.run.status import CheckpointRecord, Progress
 from stayalive.sim.cluster import HANG_TIMEOUT_S, Fault, SimulatedCluster, SimulatedGeneration
 from stayalive.training.checkpoint import checkpoint_dirname
 

@@ -4,7 +4,7 @@ the simulated cluster reading the server's clock, failures drawn from a measured
 Failures arrive over the time ranks train (TrainingTimeSchedule): a job fails while it computes, and
 its restart is what the failure costs. Planned maintenance comes by the calendar: an operator (this
 module's Operator) drains the node at its time. Nothing waits on real time: a simulated monitor goes
-quiet until its next happening (core.events.Quiet), the workflow waits on a timer, and the server
+quiet until its next happening (core.messages.events.Quiet), the workflow waits on a timer, and the server
 jumps to it. What `python -m bench.month` runs and tests/sim checks at a smaller size.
 """
 
@@ -24,8 +24,9 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowU
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from stayalive.core.run import RunState, RunStatus
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunStatus
 from stayalive.sim import history
 from stayalive.sim.cluster import ENDED, Fault, FaultKind, SimulatedCluster
 from stayalive.sim.failure_mix import Draw, Kind

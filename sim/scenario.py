@@ -24,9 +24,11 @@ from pathlib import Path
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 
-from stayalive.core.fleet import Quarantine
-from stayalive.core.run import Cause, RunResult, RunState, RunStatus
-from stayalive.core.spec import RunSpec
+from stayalive.core.fleet.model import Quarantine
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunResult, RunStatus
+from stayalive.core.run.timeline import Cause
 from stayalive.sim import history
 from stayalive.sim.cluster import FailureSchedule, Fault, SimulatedCluster
 from stayalive.sim.workers import register, simulated_workers

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from stayalive.activities.fleet import FleetActivities, FleetClient
-from stayalive.core.fleet_requests import RegisterNode
+from stayalive.core.fleet.requests import RegisterNode
 from stayalive.sim.activities import SimulatedSupervisor
 from stayalive.sim.cluster import SimulatedCluster
 from stayalive.sim.monitor import HEARTBEAT_SECONDS

@@ -17,10 +17,11 @@ from temporalio.client import Client, WorkflowHandle
 
 from harness.records import RecordCollector, hubs, read_records, step_reports
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.fleet import FleetNode
-from stayalive.core.run import RunState, RunStatus
-from stayalive.core.spec import RunSpec
-from stayalive.core.telemetry import RankStarted
+from stayalive.core.fleet.model import FleetNode
+from stayalive.core.protocol.telemetry import RankStarted
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunStatus
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
 

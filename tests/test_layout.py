@@ -1,6 +1,6 @@
-"""The layout rules the design depends on (docs/architecture.md §3): workflow modules import each other
-one way only, and never load torch (a workflow module is loaded into the sandbox of every workflow task);
-and the design is cited where a clone can follow it."""
+"""The layout rules the design depends on (docs/architecture.md §3): no module imports one that imports
+it, core/'s wings import only downwards, torch stays where tensors are (a workflow module is loaded
+into the sandbox of every workflow task), and the design is cited where a clone can follow it."""
 
 from __future__ import annotations
 
@@ -8,31 +8,64 @@ import ast
 import graphlib
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import ROOT
 
+PRODUCT = ("core", "workflows", "activities", "agent", "training", "workers", "sim")
 
-def workflow_imports() -> dict[str, set[str]]:
-    """workflows module → the workflows modules it imports (TYPE_CHECKING imports included)."""
+
+def module_name(path: Path) -> str:
+    """The installed name of a product file: every top-level folder installs under `stayalive`."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(parts if parts[0] == "stayalive" else ("stayalive", *parts))
+
+
+def product_imports() -> dict[str, set[str]]:
+    """Product module → the product modules it imports, wherever the import sits (TYPE_CHECKING
+    blocks and function bodies included: a circle through a type-only import is a circle to read)."""
+    files = [ROOT / "stayalive" / "__init__.py"] + [p for f in PRODUCT for p in sorted((ROOT / f).rglob("*.py"))]
+    modules = {module_name(p): p for p in files}
     graph: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "workflows").glob("*.py")):
-        module = f"stayalive.workflows.{path.stem}"
+    for name, path in modules.items():
         imported: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "stayalive.workflows":
-                imported |= {f"stayalive.workflows.{alias.name}" for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stayalive.workflows."):
-                imported.add(str(node.module))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stayalive"):
+                module = str(node.module)
+                # `from package import module` imports the module; `from module import name`, the module
+                named = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
+                imported |= named or {module}
             elif isinstance(node, ast.Import):
-                imported |= {a.name for a in node.names if a.name.startswith("stayalive.workflows.")}
-        graph[module] = imported - {module}
+                imported |= {a.name for a in node.names if a.name.startswith("stayalive")}
+        graph[name] = (imported & modules.keys()) - {name}
     return graph
 
 
-def test_no_workflow_module_imports_a_module_that_imports_it() -> None:
-    graph = workflow_imports()
-    assert graph["stayalive.workflows.run"], "the shell imports its helpers"
-    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError, naming the cycle
+def test_no_import_circle_anywhere_in_the_product() -> None:
+    graph = product_imports()
+    assert "stayalive.core.book.runbook" in graph["stayalive.workflows.run"], "the graph follows the imports"
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError, naming the circle
+
+
+# core/'s wings, lowest first: a wing imports only the wings below it (and itself), so each can be
+# read without any above it (docs/architecture.md §3).
+CORE_WINGS = ("fleet", "judgement", "protocol", "run", "messages", "decisions", "monitor", "book")
+
+
+def test_core_is_wings_none_importing_one_above_it() -> None:
+    core = ROOT / "core"
+    loose = [p.name for p in core.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"every core module belongs to a wing: {loose}"
+    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(CORE_WINGS)
+    upward = [
+        f"core.{wing} imports {module}"
+        for module, imported in product_imports().items()
+        if module.startswith("stayalive.core.") and (wing := module.split(".")[2]) in CORE_WINGS
+        for other in imported
+        if not other.startswith("stayalive.core.") or CORE_WINGS.index(other.split(".")[2]) > CORE_WINGS.index(wing)
+    ]
+    assert not upward, "a core wing imports one above it, or outside core: " + "; ".join(sorted(upward))
 
 
 # Torch is where tensors are: the ranks (training/) and the node agent's parts that start them, open
@@ -45,13 +78,10 @@ def torch_free_modules() -> list[str]:
     paths = [
         p
         for folder in ("core", "workflows", "activities", "sim", "workers", "agent")
-        for p in (ROOT / folder).glob("*.py")
+        for p in (ROOT / folder).rglob("*.py")
     ]
-    return [
-        f"stayalive.{p.parent.name}.{p.stem}"
-        for p in sorted(paths)
-        if p.stem != "__init__" and str(p.relative_to(ROOT)) not in LOADS_TORCH
-    ]
+    kept = [p for p in sorted(paths) if p.stem != "__init__" and str(p.relative_to(ROOT)) not in LOADS_TORCH]
+    return [module_name(p) for p in kept]
 
 
 # Run in a fresh interpreter: it imports every torch-free module and names the first import of torch

@@ -20,8 +20,8 @@ import threading
 import structlog
 from pydantic import BaseModel
 
-from stayalive.core.control import Refused
-from stayalive.core.telemetry import ToRank, to_rank
+from stayalive.core.messages.control import Refused
+from stayalive.core.protocol.telemetry import ToRank, to_rank
 from stayalive.training.hub_client import connect_hub
 
 log = structlog.get_logger()

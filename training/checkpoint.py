@@ -24,7 +24,7 @@ from typing import BinaryIO, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from stayalive.core.fencing import FENCE_FILE, raised
+from stayalive.core.decisions.fencing import FENCE_FILE, raised
 
 MANIFEST = "manifest.json"
 
@@ -44,7 +44,7 @@ def parse_checkpoint_dirname(name: str) -> tuple[int, int]:
 
 
 def read_fence(directory: Path) -> int | None:
-    """The run's fence (core/fencing.py): the newest generation launched; None where there is none."""
+    """The run's fence (core/decisions/fencing.py): the newest generation launched; None where there is none."""
     try:
         return int((directory / FENCE_FILE).read_text())
     except (FileNotFoundError, ValueError):

@@ -1,5 +1,5 @@
 """Every collective a rank's training issues goes through here, and is counted where its node agent
-can read the count without the rank's help (core/hangs.py reads it to name a hang's culprit).
+can read the count without the rank's help (core/judgement/hangs.py reads it to name a hang's culprit).
 
 A rank blocked inside a C++ collective runs no Python signal handler, and its threads may be starved,
 so nothing in the rank can be asked. The counts live instead in a small file the rank memory-maps
@@ -25,7 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stayalive.core.hangs import COMPLETED, ENTERED, GENERATION, PROGRESS_BYTES, PROGRESS_FIELDS, SITE, STEP, Site
+from stayalive.core.judgement.hangs import (
+    COMPLETED,
+    ENTERED,
+    GENERATION,
+    PROGRESS_BYTES,
+    PROGRESS_FIELDS,
+    SITE,
+    STEP,
+    Site,
+)
 
 
 @dataclass(frozen=True)

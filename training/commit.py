@@ -17,7 +17,7 @@ from typing import BinaryIO
 import structlog
 import torch.distributed as dist
 
-from stayalive.core.fencing import fenced_out
+from stayalive.core.decisions.fencing import fenced_out
 from stayalive.training import memory
 from stayalive.training.checkpoint import MANIFEST, fsync_dir, parse_checkpoint_dirname, read_fence, write_atomically
 from stayalive.training.faults import FaultInjector

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from stayalive.core.faults import (
+from stayalive.core.run.faults import (
     BitFlip,
     CollectiveHang,
     CorruptCheckpoint,

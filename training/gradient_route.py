@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from stayalive.core.hangs import Site
+from stayalive.core.judgement.hangs import Site
 from stayalive.training import collectives
 from stayalive.training.loop_checks import LoopChecks
 from stayalive.training.sdc import flat_grads, set_grads

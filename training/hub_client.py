@@ -1,5 +1,5 @@
 """A rank's connection to a node agent's hub: it answers the hub's challenge with its run's token
-(STAYALIVE_RUN_TOKEN, core.access), then says why it calls."""
+(STAYALIVE_RUN_TOKEN, core.protocol.access), then says why it calls."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import BinaryIO
 
 from pydantic import BaseModel, ValidationError
 
-from stayalive.core.access import knock
+from stayalive.core.protocol.access import knock
 
 
 def connect_hub(address: str, opening: BaseModel, token: str, timeout: float) -> tuple[socket.socket, BinaryIO]:

@@ -31,8 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from stayalive.core.spec import SdcSpec
-from stayalive.core.telemetry import Anomaly, SdcCheck
+from stayalive.core.protocol.telemetry import Anomaly, SdcCheck
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training.faults import FaultInjector
 from stayalive.training.sdc import SdcGuard, flat_grads, set_grads
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import structlog
 from pydantic import ValidationError
 
-from stayalive.core.control import Refused
-from stayalive.core.telemetry import FileHeader, GetFile, PutFile
+from stayalive.core.messages.control import Refused
+from stayalive.core.protocol.telemetry import FileHeader, GetFile, PutFile
 from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname, within_root
 from stayalive.training.hub_client import connect_hub
 

@@ -22,7 +22,7 @@ _stacks: TextIO | None = None  # open for the life of the process: faulthandler 
 
 def watch_from_outside() -> None:
     """On SIGUSR1 every thread's Python stack goes to STAYALIVE_STACK_FILE, even while blocked in a
-    collective; collective counts go to STAYALIVE_PROGRESS_FILE (core/hangs.py reads both)."""
+    collective; collective counts go to STAYALIVE_PROGRESS_FILE (core/judgement/hangs.py reads both)."""
     global _stacks
     if stack_file := os.environ.get("STAYALIVE_STACK_FILE"):
         Path(stack_file).parent.mkdir(parents=True, exist_ok=True)  # a rejoined rank's generation is new

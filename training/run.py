@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from stayalive.core.hangs import Site
-from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
-from stayalive.core.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StorageUnavailable
+from stayalive.core.judgement.hangs import Site
+from stayalive.core.protocol.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StorageUnavailable
+from stayalive.core.run.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.training import collectives, memory, rank_process
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, DcpManifest, within_root

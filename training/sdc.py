@@ -32,9 +32,9 @@ from typing import Literal
 
 import torch
 
-from stayalive.core.hangs import Site
-from stayalive.core.spec import SdcSpec
-from stayalive.core.telemetry import Anomaly, SdcCheck
+from stayalive.core.judgement.hangs import Site
+from stayalive.core.protocol.telemetry import Anomaly, SdcCheck
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training import collectives
 
 TOLERANCE_FLOOR = 1e-6  # float32 noise of a deterministic, same-kernel recomputation is exactly 0

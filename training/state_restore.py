@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from stayalive.core.hangs import Site
+from stayalive.core.judgement.hangs import Site
 from stayalive.training import collectives, memory
 from stayalive.training.checkpoint import (
     MANIFEST,

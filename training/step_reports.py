@@ -9,7 +9,7 @@ same at 4 steps as at 16 (0.1–0.25 ms, most of it for code and data the step's
 batches of REPORT_EVERY_STEPS took a step's share from ~60 µs of CPU to ~15 (bench.api).
 
 Batches are cut by step number, so that every rank sends the same steps together: its node agent
-gives a step up (core/progress.py's LAG, twice REPORT_EVERY_STEPS) once a report that much newer
+gives a step up (core/monitor/progress.py's LAG, twice REPORT_EVERY_STEPS) once a report that much newer
 arrives, and ranks whose batches were cut by their own clocks lost steps that way. Slow steps go in
 smaller batches, so that a step reaches the agent within about REPORT_EVERY_S: a batch holds the
 most steps, a power of two up to REPORT_EVERY_STEPS, that fit in it at the time since the last step
@@ -30,10 +30,11 @@ from typing import NamedTuple
 
 import torch
 
-from stayalive.core.telemetry import StepReport
+from stayalive.core.protocol.telemetry import StepReport
 
 REPORT_EVERY_STEPS = 16
-REPORT_EVERY_S = 0.5  # far inside the hang watchdog's floor (core/detectors.py), which dates a step by its `at`
+# Far inside the hang watchdog's floor (core/judgement/detectors.py), which dates a step by its `at`.
+REPORT_EVERY_S = 0.5
 
 
 def batch_steps(period_s: float) -> int:

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, TypeAdapter
 
-from stayalive.core.faults import Fault
-from stayalive.core.hangs import Site
-from stayalive.core.spec import SdcSpec
-from stayalive.core.telemetry import Command, Rejoin
+from stayalive.core.judgement.hangs import Site
+from stayalive.core.protocol.telemetry import Command, Rejoin
+from stayalive.core.run.faults import Fault
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training import collectives, hub_names, memory
 from stayalive.training.channel import AgentChannel
 from stayalive.training.memory import MemoryTier
@@ -45,7 +45,7 @@ class SupervisionConfig:
     faults: list[Fault] = field(default_factory=list)
     sdc: SdcSpec = field(default_factory=SdcSpec)
     memory_dir: Path | None = None
-    run_token: str = ""  # what opens this run's doors at node agents' hubs (core.access)
+    run_token: str = ""  # what opens this run's doors at node agents' hubs (core.protocol.access)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SupervisionConfig:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import stayalive
-from stayalive.core.escalation import rebalance
+from stayalive.core.judgement.escalation import rebalance
 from stayalive.training.corpus import Corpus, SampleStream, generate_text
 from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 

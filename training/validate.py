@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stayalive.core.checkpoints import TestLoad
+from stayalive.core.decisions.checkpoints import TestLoad
 from stayalive.training.checkpoint import DCP_METADATA, CheckpointError, read_dcp_manifest, verify_files
 from stayalive.training.dcp_load import load_dcp_metadata, load_dcp_tensors, tensor_entries
 

@@ -44,9 +44,10 @@ from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError
 
 from stayalive.activities.fleet import FleetClient, FleetRefused
-from stayalive.core.fleet_requests import QuarantineNode, Retest
-from stayalive.core.run import RunResult, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.fleet.requests import QuarantineNode, Retest
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunResult
 from stayalive.workers import slurm
 from stayalive.workers.console import (
     checkpoints_table,

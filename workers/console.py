@@ -26,9 +26,9 @@ from rich.table import Table
 from rich.text import Text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
-from stayalive.core.fleet import FleetNode, Quarantine
-from stayalive.core.goodput import Ledger
-from stayalive.core.run import CheckpointRecord, Interruption, Progress, RunResult, RunStatus
+from stayalive.core.fleet.model import FleetNode, Quarantine
+from stayalive.core.run.status import CheckpointRecord, Ledger, Progress, RunResult, RunStatus
+from stayalive.core.run.timeline import Interruption
 from stayalive.workflows.run import RunWorkflow
 
 LOG_WIDTH = 200  # every table's usual rows fit on one line; a longer cell (a reason, a detail) folds

@@ -34,8 +34,8 @@ from stayalive.agent.forkserver import ForkServers
 from stayalive.agent.gpu import gpu_telemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
-from stayalive.core.fencing import PARTITION_REPORT
-from stayalive.core.fleet_requests import FleetRequest, RegisterNode, fleet_id
+from stayalive.core.decisions.fencing import PARTITION_REPORT
+from stayalive.core.fleet.requests import FleetRequest, RegisterNode, fleet_id
 from stayalive.training.logs import configure_logging
 from stayalive.workers.secret import add_secret_flag, load_secret
 from stayalive.workers.temporal import add_temporal_flags, client_config, connect

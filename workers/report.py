@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from stayalive.core.goodput import RECENT, Ledger, ledger, recent_goodput
-from stayalive.core.paging import PLANNED_CAUSES
-from stayalive.core.run import RunStatus
+from stayalive.core.decisions.goodput import RECENT, ledger, recent_goodput
+from stayalive.core.run.status import Ledger, RunStatus
+from stayalive.core.run.timeline import PLANNED_CAUSES
 
 Series = npt.NDArray[np.float64]
 

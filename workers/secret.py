@@ -1,5 +1,5 @@
 """The fleet's secret: shared by the supervisor and every node agent, it is what a node agent's hub
-takes for the supervisor's requests, and each run's token derives from it (core.access). One file,
+takes for the supervisor's requests, and each run's token derives from it (core.protocol.access). One file,
 readable by the user the workers run as only:
 
     python -c 'import secrets; print(secrets.token_hex(32))' > secret && chmod 600 secret

@@ -38,8 +38,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from stayalive.core.run import RunResult, RunState
-from stayalive.core.slurm import (
+from stayalive.core.decisions.slurm import (
     SINFO_FORMAT,
     Placement,
     drain_reason,
@@ -51,7 +50,9 @@ from stayalive.core.slurm import (
     rack_of,
     run_workflow_id,
 )
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunResult
 from stayalive.training.logs import configure_logging
 from stayalive.workers.secret import SECRET_ENV, add_secret_flag
 from stayalive.workers.specs import UsageError, load_spec

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.spec import RunSpec
 
 
 class UsageError(Exception):

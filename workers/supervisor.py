@@ -32,7 +32,7 @@ from stayalive.activities.metrics import Exporter, refresh
 from stayalive.activities.monitor import MonitorActivities
 from stayalive.activities.nodes import NodeActivities
 from stayalive.activities.paging import deliver_webhook, page
-from stayalive.core.fleet_requests import fleet_id
+from stayalive.core.fleet.requests import fleet_id
 from stayalive.training.logs import configure_logging
 from stayalive.workers.secret import add_secret_flag, load_secret
 from stayalive.workers.temporal import add_temporal_flags, client_config, connect

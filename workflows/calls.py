@@ -19,11 +19,10 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ActivityHandle
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.checkpoints import ChooseInput
-    from stayalive.core.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
-    from stayalive.core.events import MonitorInput, MonitorReport
-    from stayalive.core.fleet import EvictionOutcome, FailureRate
-    from stayalive.core.fleet_requests import (
+    from stayalive.core.decisions.checkpoints import ChooseInput
+    from stayalive.core.decisions.paging import Page
+    from stayalive.core.fleet.model import EvictionOutcome, FailureRate
+    from stayalive.core.fleet.requests import (
         Acquire,
         Grant,
         MarkSuspect,
@@ -35,9 +34,11 @@ with workflow.unsafe.imports_passed_through():
         Replacement,
         TakeSpare,
     )
-    from stayalive.core.launch import Launch, Launched
-    from stayalive.core.paging import Page, PagingClass
-    from stayalive.core.run import CheckpointRecord
+    from stayalive.core.messages.control import CommandRanks, HangInput, HangStacks, ReleaseRanks
+    from stayalive.core.messages.events import MonitorInput, MonitorReport
+    from stayalive.core.run.launch import Launch, Launched
+    from stayalive.core.run.status import CheckpointRecord
+    from stayalive.core.run.timeline import PagingClass
 
 FOREVER = timedelta(days=3650)
 QUICK = timedelta(minutes=2)

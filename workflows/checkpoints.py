@@ -13,10 +13,10 @@ from stayalive.workflows import calls
 from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.checkpoints import ChooseInput
-    from stayalive.core.control import CommandRanks
-    from stayalive.core.lifecycle import RunState
-    from stayalive.core.runbook import RunBook
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.checkpoints import ChooseInput
+    from stayalive.core.messages.control import CommandRanks
+    from stayalive.core.run.lifecycle import RunState
 
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)

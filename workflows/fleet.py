@@ -4,11 +4,11 @@ It answers which nodes a run may have, knows where each node agent's hub listens
 node out of the pool and lets it back in only after the node passes a self-test, and keeps what the
 fleet learns across runs: eviction outcomes and healthy step-time baselines.
 
-Every change arrives as one `request` signal (core/fleet_requests.py) and is answered under the
+Every change arrives as one `request` signal (core/fleet/requests.py) and is answered under the
 request's id, for the `answers` query; activities/fleet.py's FleetClient sends requests and waits for
 their answers. A signal because a whole fleet's agents register at once and a workflow takes at most 10
 updates in flight. The handler does not await: each request is applied within its activation by
-core/fleet_rules.py, whose checks come first, so a refused request changes nothing and none
+core/fleet/rules.py, whose checks come first, so a refused request changes nothing and none
 interleave. A request costs the size of the request, never of the fleet, and the web UI's details
 are drawn once per activation, however many requests it applied. The only thing that waits is a
 self-test, which runs as a background task and touches the state once, when its result is in.
@@ -29,8 +29,8 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
     from pydantic_core import to_jsonable_python
 
-    from stayalive.core import fleet_rules as rules
-    from stayalive.core.fleet import (
+    from stayalive.core.fleet import rules
+    from stayalive.core.fleet.model import (
         Baseline,
         EvictionOutcome,
         FailureRate,
@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
         Quarantine,
         SelfTestResult,
     )
-    from stayalive.core.fleet_requests import (
+    from stayalive.core.fleet.requests import (
         Acquire,
         FleetOperation,
         FleetRequest,
@@ -60,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
         TakeSpare,
         fleet_id,
     )
-    from stayalive.core.fleet_rules import FleetError
+    from stayalive.core.fleet.rules import FleetError
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
 # Before continuing as new, the fleet waits this long without a request: every sender (polling its

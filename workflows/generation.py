@@ -21,8 +21,10 @@ from stayalive.workflows import calls, checkpoints, incidents, stragglers
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.control import CommandRanks
-    from stayalive.core.events import (
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.interval import checkpoint_steps, choose_interval
+    from stayalive.core.messages.control import CommandRanks
+    from stayalive.core.messages.events import (
         AllHeld,
         AnomalyFound,
         Hang,
@@ -41,11 +43,9 @@ with workflow.unsafe.imports_passed_through():
         StorageOutage,
         StragglerFound,
     )
-    from stayalive.core.faults import HARDWARE
-    from stayalive.core.interval import checkpoint_steps, choose_interval
-    from stayalive.core.launch import Launch, supervision_env
-    from stayalive.core.lifecycle import RunState, takes
-    from stayalive.core.runbook import RunBook
+    from stayalive.core.run.faults import HARDWARE
+    from stayalive.core.run.launch import Launch, supervision_env
+    from stayalive.core.run.lifecycle import RunState, takes
 
 
 @dataclass
@@ -201,7 +201,7 @@ async def supervise(
     def takes_request() -> bool:
         return take_requests and bool(inbox.requests) and takes(book.state, inbox.requests[0].kind)
 
-    def news() -> bool:  # what this loop can take now (core/lifecycle.py's `takes`), or no request in a hold
+    def news() -> bool:  # what this loop can take now (core/run/lifecycle.py's `takes`), or no request in a hold
         return inbox.news(takes_request(), takes(book.state, "checkpoint"))
 
     while True:

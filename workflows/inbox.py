@@ -15,8 +15,8 @@ from typing import Literal
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.events import CheckpointJudged, MonitorEvent, MonitorReport
-    from stayalive.core.fencing import PartitionReport
+    from stayalive.core.decisions.fencing import PartitionReport
+    from stayalive.core.messages.events import CheckpointJudged, MonitorEvent, MonitorReport
 
 
 @dataclass

@@ -19,14 +19,15 @@ from stayalive.workflows import calls
 from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.control import HangInput
-    from stayalive.core.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
-    from stayalive.core.fleet_requests import Replace
-    from stayalive.core.launch import Membership
-    from stayalive.core.paging import Classification, Page
-    from stayalive.core.recovery import interruption_from
-    from stayalive.core.run import Cause, Detection, Interruption, RunState
-    from stayalive.core.runbook import RunBook
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.paging import Page
+    from stayalive.core.decisions.recovery import interruption_from
+    from stayalive.core.fleet.requests import Replace
+    from stayalive.core.messages.control import HangInput
+    from stayalive.core.messages.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
+    from stayalive.core.run.launch import Membership
+    from stayalive.core.run.lifecycle import RunState
+    from stayalive.core.run.timeline import Cause, Classification, Detection, Interruption
 
 
 async def failure(book: RunBook, failed: RankFailed | NodeLost) -> Interruption:
@@ -60,7 +61,7 @@ async def unreachable(book: RunBook, nodes: dict[str, str]) -> Interruption:
 
 async def hang(book: RunBook, event: Hang) -> Interruption:
     """Alive, no progress: dump every rank's stacks and collective counts into one file, name the
-    rank they point at (core/hangs.py) and take its node out; every rank restarts (a blocked
+    rank they point at (core/judgement/hangs.py) and take its node out; every rank restarts (a blocked
     collective cannot be aborted). When nothing tells the ranks apart (every one waits in the same
     collective), the entry says so and nobody is quarantined: a guess would take out a healthy node."""
     status, spec = book.status, book.spec
@@ -154,7 +155,7 @@ def anomaly(book: RunBook, event: AnomalyFound) -> None:
 
 async def storage(book: RunBook, event: StorageOutage) -> None:
     """Checkpoint storage is away and the ranks train on, checkpointing into host memory: recorded
-    on the run, and a person is paged once it outlasts paging's bound (core.paging.storage_outage)."""
+    on the run, and a person is paged once it outlasts paging's bound (core.decisions.paging.storage_outage)."""
     outage = event.outage
     paging = book.storage(event)
     workflow.logger.warning("checkpoint storage %s (since step %s): %s", event.phase, outage.step, outage.error)

@@ -17,12 +17,12 @@ from stayalive.workflows.generation import Ending, Generation
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.control import CommandRanks, ReleaseRanks
-    from stayalive.core.events import AllHeld
-    from stayalive.core.launch import without_node
-    from stayalive.core.paging import PLANNED
-    from stayalive.core.run import Cause, Interruption, RunState
-    from stayalive.core.runbook import RunBook
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.messages.control import CommandRanks, ReleaseRanks
+    from stayalive.core.messages.events import AllHeld
+    from stayalive.core.run.launch import without_node
+    from stayalive.core.run.lifecycle import RunState
+    from stayalive.core.run.timeline import PLANNED, Cause, Interruption
 
 
 async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: Request) -> Ending | None:

@@ -1,6 +1,6 @@
 """RunWorkflow: carries one training run to its target step, through every interruption.
 
-A thin shell over a RunBook (core/runbook.py), which owns the run's state and every change to it.
+A thin shell over a RunBook (core/book/runbook.py), which owns the run's state and every change to it.
 The workflow waits and calls: it launches a generation (workflows/generation.py), watches it until
 something ends it, and hands that to the module that knows what to do — a failure, a hang or
 corruption (incidents.py), a person's request (requests.py), slowness (stragglers.py), checkpoints
@@ -25,8 +25,15 @@ from stayalive.workflows.inbox import Inbox, Request
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
-    from stayalive.core.control import ReleaseRanks
-    from stayalive.core.events import (
+    from stayalive.core.book.health import Health, health_table
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.fencing import PARTITION_REPORT, PartitionReport
+    from stayalive.core.decisions.goodput import ledger, recent_goodput
+    from stayalive.core.decisions.interval import checkpoint_seconds, choose_interval, prior_mtbf
+    from stayalive.core.decisions.paging import Page
+    from stayalive.core.fleet.requests import RecordExposure
+    from stayalive.core.messages.control import ReleaseRanks
+    from stayalive.core.messages.events import (
         CHECKPOINT_JUDGED,
         MONITOR_REPORT,
         AllHeld,
@@ -38,15 +45,10 @@ with workflow.unsafe.imports_passed_through():
         RanksFinished,
         SdcDetected,
     )
-    from stayalive.core.fencing import PARTITION_REPORT, PartitionReport
-    from stayalive.core.fleet_requests import RecordExposure
-    from stayalive.core.goodput import ledger, recent_goodput
-    from stayalive.core.health import Health, health_table
-    from stayalive.core.interval import checkpoint_seconds, choose_interval, prior_mtbf
-    from stayalive.core.paging import Page
-    from stayalive.core.run import Cause, CheckpointRecord, Detection, Interruption, RunResult, RunState, RunStatus
-    from stayalive.core.runbook import RunBook
-    from stayalive.core.spec import RunSpec
+    from stayalive.core.run.lifecycle import RunState
+    from stayalive.core.run.spec import RunSpec
+    from stayalive.core.run.status import CheckpointRecord, RunResult, RunStatus
+    from stayalive.core.run.timeline import Cause, Detection, Interruption
 
 TASK_QUEUE = "stayalive"
 # Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
@@ -197,7 +199,7 @@ class RunWorkflow:
     @workflow.signal(name=PARTITION_REPORT)
     def partitioned(self, report: PartitionReport) -> None:
         """A node agent fenced itself out of a generation it was cut off from: the node-lost entry of
-        that generation was a partition (core/fencing.py)."""
+        that generation was a partition (core/decisions/fencing.py)."""
         self.inbox.partitions.append(report)
 
     @workflow.signal

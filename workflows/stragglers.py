@@ -3,7 +3,7 @@ rental), a slowdown of every rank pages facilities and evicts nobody (docs/archi
 
 The ladder's rent is the ledger's straggler loss (RunStatus.straggler_seconds), which the run monitor
 tallies while a straggler is known. Each rung is bought once the rent paid on the one below exceeds
-its price, and an eviction also has to pass core.eviction (the diagnosis, the payback against the
+its price, and an eviction also has to pass core.judgement.eviction (the diagnosis, the payback against the
 run's remaining time, one per hour, never twice in one rack without a person). Evicting is a drain
 (auto-cordon): the survivors keep their processes and a spare takes the node's place, or the run
 shrinks: `climb` returns the drain for the workflow to carry out.
@@ -20,14 +20,15 @@ from stayalive.workflows.inbox import Request
 from stayalive.workflows.incidents import page
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.control import CommandRanks
-    from stayalive.core.diagnosis import NO_TELEMETRY, Diagnosis
-    from stayalive.core.escalation import Escalation, Strategy, costs, next_strategy
-    from stayalive.core.events import SlowdownFound, StragglerFound
-    from stayalive.core.eviction import Eviction, should_evict
-    from stayalive.core.paging import environmental
-    from stayalive.core.run import Detection, RunState
-    from stayalive.core.runbook import RunBook
+    from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.paging import environmental
+    from stayalive.core.judgement.diagnosis import NO_TELEMETRY, Diagnosis
+    from stayalive.core.judgement.escalation import Escalation, Strategy, costs, next_strategy
+    from stayalive.core.judgement.eviction import Eviction, should_evict
+    from stayalive.core.messages.control import CommandRanks
+    from stayalive.core.messages.events import SlowdownFound, StragglerFound
+    from stayalive.core.run.lifecycle import RunState
+    from stayalive.core.run.timeline import Detection
 
 # R before the run has restarted once: the 10 minutes assumed at scale (docs/architecture.md §16).
 PRIOR_RESTART_S = 600.0

@@ -13,8 +13,8 @@ from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from stayalive.activities.fleet import LOOK_FOR, FleetClient, FleetRefused
-from stayalive.core.fleet import FleetAnswer
-from stayalive.core.fleet_requests import Acquire, FleetRequest, Grant, Release, TakeSpare
+from stayalive.core.fleet.model import FleetAnswer
+from stayalive.core.fleet.requests import Acquire, FleetRequest, Grant, Release, TakeSpare
 
 
 class StandInFleet:

@@ -1,13 +1,13 @@
 """The run monitor's checkpoint keeper decides retention itself, over what the workflow gave it at the
-generation's start and its own verdicts since: the same rule (core/retention.py), the same records."""
+generation's start and its own verdicts since: the same rule (core/decisions/retention.py), the same records."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 from stayalive.activities.checkpoints import Shelf
-from stayalive.core.events import KeeperInput
-from stayalive.core.run import CheckpointRecord
+from stayalive.core.messages.events import KeeperInput
+from stayalive.core.run.status import CheckpointRecord
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 

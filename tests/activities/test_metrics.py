@@ -17,8 +17,9 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from stayalive.activities.metrics import OPEN_RUNS, Exporter, refresh_once
-from stayalive.core.health import Health
-from stayalive.core.run import Cause, Progress
+from stayalive.core.book.health import Health
+from stayalive.core.run.status import Progress
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import temporal_binary
 from tests.core.runs import at, checkpoint, interruption, status
 

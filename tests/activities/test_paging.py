@@ -14,7 +14,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from stayalive.activities.paging import deliver_webhook, page
-from stayalive.core.paging import Classification, Page, PagingClass
+from stayalive.core.decisions.paging import Page
+from stayalive.core.run.timeline import Classification, PagingClass
 from tests.helpers import Webhook
 
 SAME_NODE = Classification(

@@ -11,8 +11,8 @@ import pynvml
 import pytest
 
 from stayalive.agent.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
-from stayalive.core.diagnosis import Diagnosis, GpuHealth, diagnose
-from stayalive.core.faults import (
+from stayalive.core.judgement.diagnosis import Diagnosis, GpuHealth, diagnose
+from stayalive.core.run.faults import (
     EccErrors,
     HotAmbient,
     NicSaturated,

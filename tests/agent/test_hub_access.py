@@ -21,9 +21,9 @@ from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
 from stayalive.agent.processes import start_rank
 from stayalive.agent.relay import StoreRelay
-from stayalive.core.access import run_token
-from stayalive.core.control import Prepare, Prepared, Refused, SendCommand, Sent
-from stayalive.core.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
+from stayalive.core.messages.control import Prepare, Prepared, Refused, SendCommand, Sent
+from stayalive.core.protocol.access import run_token
+from stayalive.core.protocol.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
 from stayalive.training import memory
 
 SECRET = b"the fleet's secret, 32 bytes ok"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stayalive.agent.selftest import CHECKS, SelfTest
-from stayalive.core.fleet import SelfTestResult
+from stayalive.core.fleet.model import SelfTestResult
 
 
 async def self_test(broken: set[str]) -> tuple[SelfTestResult, list[str]]:

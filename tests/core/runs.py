@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from stayalive.core.run import Cause, CheckpointRecord, Interruption, RunStatus
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import CheckpointRecord, RunStatus
+from stayalive.core.run.timeline import Cause, Interruption
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

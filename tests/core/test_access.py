@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from stayalive.core.access import Challenge, Proof, knock, proven, run_token
-from stayalive.core.telemetry import Hello
+from stayalive.core.protocol.access import Challenge, Proof, knock, proven, run_token
+from stayalive.core.protocol.telemetry import Hello
 
 SECRET = b"the fleet's secret, 32 bytes ok"
 

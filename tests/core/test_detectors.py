@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from stayalive.core.detectors import (
+from stayalive.core.judgement.detectors import (
     HANG_STARTUP_S,
     SMOOTH_STEPS,
     AbsoluteSlowdown,

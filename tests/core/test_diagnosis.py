@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from stayalive.core.diagnosis import Diagnosis, GpuHealth, Limits, counters_since, diagnose
+from stayalive.core.judgement.diagnosis import Diagnosis, GpuHealth, Limits, counters_since, diagnose
 
 GPUS = 8
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from stayalive.core.goodput import ledger
-from stayalive.core.interval import run_mtbf
-from stayalive.core.run import INTERRUPTIONS_KEPT, Cause, Progress, RunStatus
-from stayalive.core.runbook import RunBook
+from stayalive.core.book.runbook import RunBook
+from stayalive.core.decisions.goodput import ledger
+from stayalive.core.decisions.interval import run_mtbf
+from stayalive.core.run.status import Progress, RunStatus
+from stayalive.core.run.timeline import INTERRUPTIONS_KEPT, Cause
 from tests.core.runs import at, interruption, status
 
 HOURS = 400  # one interruption an hour: several times what the timeline keeps

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stayalive.core.escalation import (
+from stayalive.core.judgement.escalation import (
     LADDER,
     Strategy,
     StrategyCosts,

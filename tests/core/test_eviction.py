@@ -8,9 +8,9 @@ from datetime import datetime
 
 import pytest
 
-from stayalive.core.diagnosis import RULES, UNKNOWN_ACTION, Diagnosis, Verdict
-from stayalive.core.eviction import Eviction, EvictionDecision, payback_seconds, should_evict, straggler_cost
-from stayalive.core.fleet import EvictionOutcome
+from stayalive.core.fleet.model import EvictionOutcome
+from stayalive.core.judgement.diagnosis import RULES, UNKNOWN_ACTION, Diagnosis, Verdict
+from stayalive.core.judgement.eviction import Eviction, EvictionDecision, payback_seconds, should_evict, straggler_cost
 from tests.core.runs import at
 
 R = 600.0  # restart seconds, as assumed at 16,384 GPUs (docs/architecture.md §16)
@@ -18,7 +18,7 @@ HOUR = 3600.0
 
 
 def verdict(diagnosis: Diagnosis) -> Verdict:
-    """A verdict as core.diagnosis gives it: whether it evicts comes from its rule table."""
+    """A verdict as core.judgement.diagnosis gives it: whether it evicts comes from its rule table."""
     rule = next((r for r in RULES if r.diagnosis == diagnosis), None)
     evict, action = (rule.evict, rule.action) if rule else (True, UNKNOWN_ACTION)
     return Verdict(diagnosis=diagnosis, evidence="test", evict=evict, action=action)

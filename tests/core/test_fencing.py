@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from stayalive.core.fencing import PartitionReport, amend, cut_off, fenced_out, raised
-from stayalive.core.run import Cause, Interruption
+from stayalive.core.decisions.fencing import PartitionReport, amend, cut_off, fenced_out, raised
+from stayalive.core.run.timeline import Cause, Interruption
 
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pydantic_core import to_json
 
-from stayalive.core import fleet_rules as rules
-from stayalive.core.fleet import (
+from stayalive.core.fleet import rules
+from stayalive.core.fleet.model import (
     BASELINE_WINDOW,
     CARRIED_ANSWER_BYTES,
     KEEP_ANSWERS,
@@ -32,7 +32,7 @@ from stayalive.core.fleet import (
     SelfTestResult,
     p_healthy,
 )
-from stayalive.core.fleet_rules import FleetError
+from stayalive.core.fleet.rules import FleetError
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LATER = T0 + timedelta(minutes=5)

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic_core import to_json, to_jsonable_python
 
-from stayalive.core import fleet_rules as rules
-from stayalive.core.fleet import (
+from stayalive.core.fleet import rules
+from stayalive.core.fleet.model import (
     BASELINE_WINDOW,
     KEEP_ANSWERS,
     KEEP_BASELINES,

@@ -9,13 +9,15 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 
-from stayalive.core.events import FirstStep, NodeLost
-from stayalive.core.goodput import Ledger, ledger, recent_goodput, straggler_wait
-from stayalive.core.interval import overhead, young
-from stayalive.core.paging import PagingClass, classify
-from stayalive.core.recovery import interruption_from
-from stayalive.core.run import Cause, CheckpointRecord, Interruption, Progress, RunState, RunStatus
-from stayalive.core.runbook import RunBook
+from stayalive.core.book.runbook import RunBook
+from stayalive.core.decisions.goodput import ledger, recent_goodput, straggler_wait
+from stayalive.core.decisions.interval import overhead, young
+from stayalive.core.decisions.paging import classify
+from stayalive.core.decisions.recovery import interruption_from
+from stayalive.core.messages.events import FirstStep, NodeLost
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import CheckpointRecord, Ledger, Progress, RunStatus
+from stayalive.core.run.timeline import Cause, Interruption, PagingClass
 from tests.core.runs import T0, at, checkpoint, interruption, status
 
 STEP_S = 2.0

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from stayalive.core.hangs import PROGRESS_BYTES, CollectiveProgress, Site, find_culprit
+from stayalive.core.judgement.hangs import PROGRESS_BYTES, CollectiveProgress, Site, find_culprit
 from tests.core.test_detectors import IN_ALL_REDUCE, IN_FORWARD, dump, healthy_ranks
 
 N = 241  # the collective the healthy ranks are in

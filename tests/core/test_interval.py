@@ -9,8 +9,8 @@ from datetime import datetime
 
 import pytest
 
-from stayalive.core.fleet import PUBLISHED_FAILURES_PER_GPU_HOUR, FailureRate
-from stayalive.core.interval import (
+from stayalive.core.book.runbook import RunBook
+from stayalive.core.decisions.interval import (
     checkpoint_seconds,
     choose_interval,
     daly,
@@ -21,8 +21,9 @@ from stayalive.core.interval import (
     run_mtbf,
     young,
 )
-from stayalive.core.run import Cause, IntervalChoice, RunStatus
-from stayalive.core.runbook import RunBook
+from stayalive.core.fleet.model import PUBLISHED_FAILURES_PER_GPU_HOUR, FailureRate
+from stayalive.core.run.status import IntervalChoice, RunStatus
+from stayalive.core.run.timeline import Cause
 from tests.core.runs import at, checkpoint, interruption, spec, status
 
 # Llama 3 405B had 419 unexpected interruptions in 54 days on 16,384 GPUs (Llama 3, arXiv:2407.21783, §3.3.4); C and R

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stayalive.core.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
+from stayalive.core.run.launch import Endpoint, NodeLaunch, assign_ranks, rank_env
 
 STORE = Endpoint(host="127.0.0.1", port=41000)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stayalive.core.lifecycle import TRANSITIONS, Ask, RunState, takes, why
-from stayalive.core.run import RunStatus
-from stayalive.core.runbook import IllegalMove, RunBook
+from stayalive.core.book.runbook import IllegalMove, RunBook
+from stayalive.core.run.lifecycle import TRANSITIONS, Ask, RunState, takes, why
+from stayalive.core.run.status import RunStatus
 from tests.core.runs import at, interruption
 from tests.helpers import tiny_spec
 

@@ -7,17 +7,9 @@ from datetime import timedelta
 
 import pytest
 
-from stayalive.core.paging import (
-    PLANNED,
-    PLANNED_CAUSES,
-    STORAGE_OUTAGE_INTERVALS,
-    PagingClass,
-    classify,
-    over_limit,
-    storage_outage,
-)
-from stayalive.core.run import Cause, Interruption
-from stayalive.core.spec import FailureLimit
+from stayalive.core.decisions.paging import STORAGE_OUTAGE_INTERVALS, classify, over_limit, storage_outage
+from stayalive.core.run.spec import FailureLimit
+from stayalive.core.run.timeline import PLANNED, PLANNED_CAUSES, Cause, Interruption, PagingClass
 from tests.core.runs import at, interruption
 
 HOUR = 3600.0

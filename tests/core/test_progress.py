@@ -9,9 +9,17 @@ import random
 import numpy as np
 import pytest
 
-from stayalive.core.progress import CompletedStep, StepBatcher, StepIngest
-from stayalive.core.run import Progress
-from stayalive.core.telemetry import NodeSteps, Record, StepReport, frame_seq, pack_steps, rank_message, steps_frame
+from stayalive.core.monitor.progress import CompletedStep, StepBatcher, StepIngest
+from stayalive.core.protocol.telemetry import (
+    NodeSteps,
+    Record,
+    StepReport,
+    frame_seq,
+    pack_steps,
+    rank_message,
+    steps_frame,
+)
+from stayalive.core.run.status import Progress
 
 NODE = range(8, 12)  # the node under test holds global ranks 8-11
 GEN = 1

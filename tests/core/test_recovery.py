@@ -1,13 +1,14 @@
-"""A rank's failure as a timeline entry (core/recovery.py): the step it names is the last one it had
+"""A rank's failure as a timeline entry (core/decisions/recovery.py): the step it names is the last one it had
 completed, also when it failed before reporting one of its generation."""
 
 from __future__ import annotations
 
 import pytest
 
-from stayalive.core.events import RankFailed
-from stayalive.core.recovery import interruption_from
-from stayalive.core.run import Cause, Interruption, Progress
+from stayalive.core.decisions.recovery import interruption_from
+from stayalive.core.messages.events import RankFailed
+from stayalive.core.run.status import Progress
+from stayalive.core.run.timeline import Cause, Interruption
 from tests.core.runs import T0, at, interruption, spec, status
 
 

@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from stayalive.core.events import CheckpointJudged
-from stayalive.core.goodput import ledger
-from stayalive.core.retention import keep_count, to_delete
-from stayalive.core.run import SERIES_POINTS, CheckpointRecord
-from stayalive.core.runbook import RunBook
+from stayalive.core.book.runbook import RunBook
+from stayalive.core.decisions.goodput import ledger
+from stayalive.core.decisions.retention import keep_count, to_delete
+from stayalive.core.messages.events import CheckpointJudged
+from stayalive.core.run.status import SERIES_POINTS, CheckpointRecord
 from tests.core.runs import spec, status
 
 START = datetime(2026, 1, 1, tzinfo=UTC)

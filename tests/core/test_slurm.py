@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stayalive.core.slurm import (
+from stayalive.core.decisions.slurm import (
     Placement,
     SlurmNode,
     drains_to_ask,
@@ -15,7 +15,7 @@ from stayalive.core.slurm import (
     rack_of,
     run_workflow_id,
 )
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.spec import RunSpec
 
 GPUS = [f"gpu{n:03d}" for n in range(130)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from stayalive.core.spec import CheckpointInterval, RunSpec, parse_seconds
+from stayalive.core.run.spec import CheckpointInterval, RunSpec, parse_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,13 +1,14 @@
-"""What a run records of a storage outage (core/runbook.py, core/health.py): one detection however many
+"""What a run records of a storage outage (core/book/runbook.py, core/book/health.py): one detection however many
 generations it spans, one page, and the run's health says storage is away until a checkpoint lands."""
 
 from __future__ import annotations
 
-from stayalive.core.events import StorageOutage
-from stayalive.core.health import Health
-from stayalive.core.paging import storage_outage
-from stayalive.core.run import Outage, RunState
-from stayalive.core.runbook import RunBook
+from stayalive.core.book.health import Health
+from stayalive.core.book.runbook import RunBook
+from stayalive.core.decisions.paging import storage_outage
+from stayalive.core.messages.events import StorageOutage
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import Outage
 from tests.core.runs import at, status
 
 OUTAGE = Outage(since=at(seconds=100).timestamp(), error="[Errno 28] No space left on device", step=20)

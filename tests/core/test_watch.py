@@ -1,4 +1,4 @@
-"""How the run monitor tells how a generation ends, from what its node agents report (core/watch.py)."""
+"""How the run monitor tells how a generation ends, from what its node agents report (core/monitor/watch.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from stayalive.core.events import (
+from stayalive.core.messages.events import (
     FirstStep,
     Hang,
     KeeperInput,
@@ -17,9 +17,8 @@ from stayalive.core.events import (
     RanksFinished,
     StorageOutage,
 )
-from stayalive.core.paging import PagingClass
-from stayalive.core.run import Outage
-from stayalive.core.telemetry import (
+from stayalive.core.monitor.watch import WITNESS_GRACE_S, GenerationWatch
+from stayalive.core.protocol.telemetry import (
     CheckpointCommitted,
     Finished,
     Held,
@@ -29,7 +28,8 @@ from stayalive.core.telemetry import (
     StorageUnavailable,
     pack_steps,
 )
-from stayalive.core.watch import WITNESS_GRACE_S, GenerationWatch
+from stayalive.core.run.status import Outage
+from stayalive.core.run.timeline import PagingClass
 
 NODES = ["a", "b", "c"]
 SILENCE = 15.0

@@ -11,7 +11,7 @@ import torch
 from temporalio.client import Client, WorkflowFailureError
 
 from harness.tiny import REFERENCE_STEPS, final_state
-from stayalive.core.run import RunState
+from stayalive.core.run.lifecycle import RunState
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec, wait_for_fleet
 

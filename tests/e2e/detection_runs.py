@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.spec import RunSpec
 from tests.helpers import tiny_spec
 
 HEALTH: dict[str, object] = {"baseline_windows": 2, "straggler_steps": 20}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stayalive.core.spec import RunSpec
-from stayalive.core.telemetry import StepReport
+from stayalive.core.protocol.telemetry import StepReport
+from stayalive.core.run.spec import RunSpec
 from tests.helpers import ROOT
 
 EXAMPLES = ROOT / "examples"

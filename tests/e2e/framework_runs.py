@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 from temporalio.client import Client
 
-from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
 from tests.helpers import rank_pids, start, wait_until
 
 TARGET = 24  # 4 epochs of 6 steps at 4 ranks: checkpoints mid-epoch (4, 8, 16, 20) and between epochs (12)

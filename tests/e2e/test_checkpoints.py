@@ -13,7 +13,8 @@ from temporalio.client import Client
 
 from harness.tiny import REFERENCE_STEPS as TARGET
 from harness.tiny import final_state
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.training.checkpoint import dcp_file
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow

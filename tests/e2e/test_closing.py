@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 
-from stayalive.core.run import RunState
+from stayalive.core.run.lifecycle import RunState
 from tests.helpers import start, tiny_spec, wait_for_step
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowHandle
 
-from stayalive.core.detectors import SMOOTH_STEPS
-from stayalive.core.run import Cause, RunState
+from stayalive.core.judgement.detectors import SMOOTH_STEPS
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
 from tests.e2e.detection_runs import HEALTH, detection_spec

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec, wait_for_step, wait_until

@@ -11,8 +11,8 @@ import pytest
 from temporalio.client import Client
 
 from harness.records import RecordCollector, step_reports
-from stayalive.core.escalation import Strategy, rebalance
-from stayalive.core.run import RunState
+from stayalive.core.judgement.escalation import Strategy, rebalance
+from stayalive.core.run.lifecycle import RunState
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec, wait_until
 

@@ -14,7 +14,8 @@ from temporalio.client import Client
 
 from harness.records import RecordCollector, step_reports
 from harness.tiny import final_state
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.training.checkpoint import read_dcp_manifest
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.e2e.examples import FSDP2, NANOGPT, Example, losses_as_they_stand

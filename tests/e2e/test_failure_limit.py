@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowFailureError
 
-from stayalive.core.run import Cause, RunState, RunStatus
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import RunStatus
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import process_alive
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow

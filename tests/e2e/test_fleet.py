@@ -33,8 +33,8 @@ from temporalio.worker import Worker
 
 from stayalive.activities.fleet import FleetClient, FleetRefused
 from stayalive.agent.selftest import SelfTest
-from stayalive.core.fleet import FleetNode, NodeState, SelfTestResult
-from stayalive.core.fleet_requests import (
+from stayalive.core.fleet.model import FleetNode, NodeState, SelfTestResult
+from stayalive.core.fleet.requests import (
     Acquire,
     FleetOp,
     Grant,

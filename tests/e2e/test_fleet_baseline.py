@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from stayalive.core.detectors import ABSOLUTE_MIN_EXCESS
-from stayalive.core.paging import PagingClass
-from stayalive.core.run import RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.judgement.detectors import ABSOLUTE_MIN_EXCESS
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import PagingClass
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
 from tests.e2e.detection_runs import detection_spec

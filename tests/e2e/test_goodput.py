@@ -15,7 +15,8 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.dashboard import dashboard_uses, exposition, load_dashboard

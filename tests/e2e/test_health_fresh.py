@@ -15,8 +15,8 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from stayalive.core.events import MonitorReport
-from stayalive.core.run import RunState
+from stayalive.core.messages.events import MonitorReport
+from stayalive.core.run.lifecycle import RunState
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from stayalive.core.run import RunState
+from stayalive.core.run.lifecycle import RunState
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import start, tiny_spec
 

@@ -11,9 +11,10 @@ from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 
 from harness.records import RecordCollector, samples_once, step_reports
 from stayalive.activities.fleet import FleetClient
-from stayalive.core.fleet import NodeState
-from stayalive.core.fleet_requests import Acquire, Release
-from stayalive.core.run import Cause, RunState
+from stayalive.core.fleet.model import NodeState
+from stayalive.core.fleet.requests import Acquire, Release
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow

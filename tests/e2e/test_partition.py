@@ -18,9 +18,10 @@ from temporalio.client import Client
 
 from harness.records import RecordCollector, samples_once, step_reports
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.fencing import FENCE_FILE
-from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.decisions.fencing import FENCE_FILE
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.netns import Partitionable, usable
 from stayalive.workers.secret import SECRET_ENV, create_secret

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from temporalio.client import Client
 
-from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import process_alive
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id

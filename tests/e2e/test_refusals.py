@@ -7,8 +7,8 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from stayalive.core.run import RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, wait_for_fleet, workflow_id

@@ -10,7 +10,8 @@ import torch
 from temporalio.client import Client
 
 from harness.tiny import REFERENCE_STEPS, TINY_ENTRYPOINT, checkpoint_state, final_state
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import assert_bitwise_equal, start, tiny_spec

@@ -16,9 +16,9 @@ from temporalio.client import Client
 from harness.records import RecordCollector
 from harness.tiny import REFERENCE_STEPS as TARGET
 from harness.tiny import final_state
-from stayalive.core.paging import PagingClass
-from stayalive.core.run import RunState
-from stayalive.core.telemetry import RankExited, StorageUnavailable
+from stayalive.core.protocol.telemetry import RankExited, StorageUnavailable
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import PagingClass
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import Webhook, assert_bitwise_equal, start, tiny_spec
 

@@ -12,8 +12,10 @@ from temporalio.client import Client
 
 from harness.records import RecordCollector, step_reports
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.run import Cause, RunResult, RunState
-from stayalive.core.telemetry import StepReport
+from stayalive.core.protocol.telemetry import StepReport
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import RunResult
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack, temporal_binary
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, start, tiny_spec, wait_for_step, wait_until, workflow_id

@@ -13,8 +13,9 @@ import pytest
 import torch
 from temporalio.client import Client
 
-from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import DrainNode, ResumeFrom, RunWorkflow
 from tests.helpers import rank_pids, start, wait_for_step, wait_until

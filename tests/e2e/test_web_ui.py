@@ -15,7 +15,8 @@ from urllib.parse import quote
 import pytest
 from temporalio.client import Client
 
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from tests.browser import chromium, open_browser
 from tests.helpers import activity_log, start, tiny_spec

@@ -14,8 +14,9 @@ import pytest
 from temporalio.client import Client
 
 from harness.records import RecordCollector, samples_once, step_reports
-from stayalive.core.run import Cause, RunState
-from stayalive.core.spec import RunSpec
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import DrainNode, RunWorkflow
 from tests.helpers import activity_log, rank_pids, start, wait_for_fleet, wait_for_step, wait_until

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from stayalive.core.launch import Launch
-from stayalive.core.telemetry import Command
+from stayalive.core.protocol.telemetry import Command
+from stayalive.core.run.launch import Launch
 from stayalive.sim.cluster import FailureSchedule, Fault, SimulatedCluster
 from stayalive.sim.failure_mix import Draw
 from stayalive.sim.month import TrainingTimeSchedule

@@ -12,7 +12,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.sim import history, scenario
 from stayalive.sim.scenario import Ran
 from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary

@@ -36,8 +36,9 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from stayalive.core.paging import PagingClass
-from stayalive.core.run import INTERRUPTIONS_KEPT, Cause, RunResult, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import RunResult
+from stayalive.core.run.timeline import INTERRUPTIONS_KEPT, Cause, PagingClass
 from stayalive.sim import history
 from stayalive.sim.cluster import FailureSchedule, SimulatedCluster
 from stayalive.sim.workers import register, register_search_attributes, simulated_workers

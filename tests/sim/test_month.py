@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stayalive.core.run import Cause, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.timeline import Cause
 from stayalive.sim.failure_mix import Draw, Kind
 from stayalive.sim.measure import came_back, interval_error, measured
 from stayalive.sim.month import DAY_S, STEP_S, Month, MonthRan, simulate

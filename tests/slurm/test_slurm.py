@@ -22,8 +22,10 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 
 from harness.tiny import TINY_ENTRYPOINT
-from stayalive.core.run import Cause, RunResult, RunState, RunStatus
-from stayalive.core.slurm import run_workflow_id
+from stayalive.core.decisions.slurm import run_workflow_id
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import RunResult, RunStatus
+from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.temporal import connect, plain
 from tests.helpers import ROOT, wait_until

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from stayalive.core.access import Challenge
-from stayalive.core.telemetry import Hello, StepReport
+from stayalive.core.protocol.access import Challenge
+from stayalive.core.protocol.telemetry import Hello, StepReport
 from stayalive.training.channel import AgentChannel
 
 REPORTS = 5_000  # of 5 KB each: far more than a loopback socket buffers unread

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stayalive.core.hangs import CollectiveProgress, Site
+from stayalive.core.judgement.hangs import CollectiveProgress, Site
 from stayalive.training import collectives
 
 

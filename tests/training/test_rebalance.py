@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stayalive.core.escalation import rebalance
+from stayalive.core.judgement.escalation import rebalance
 from stayalive.training.corpus import Corpus, SampleStream, generate_text
 from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 

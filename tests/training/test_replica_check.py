@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stayalive.core.spec import SdcSpec
+from stayalive.core.run.spec import SdcSpec
 from stayalive.training.sdc import SdcGuard, fingerprint
 
 

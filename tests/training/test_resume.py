@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from harness.tiny import checkpoint_state
 from stayalive.agent.hub import NodeHub
-from stayalive.core.access import run_token
-from stayalive.core.launch import EXIT_CHECKPOINT_UNUSABLE
-from stayalive.core.telemetry import Resumed, StepReport
+from stayalive.core.protocol.access import run_token
+from stayalive.core.protocol.telemetry import Resumed, StepReport
+from stayalive.core.run.launch import EXIT_CHECKPOINT_UNUSABLE
 from tests.helpers import ROOT
 
 SECRET = b"test fleet secret, 32 bytes long"

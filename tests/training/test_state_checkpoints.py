@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from stayalive.activities.checkpoints import validate
-from stayalive.core.faults import DiskFull, Fault, StorageOutage
-from stayalive.core.fencing import FENCE_FILE
+from stayalive.core.decisions.fencing import FENCE_FILE
+from stayalive.core.run.faults import DiskFull, Fault, StorageOutage
 from stayalive.training import validate as validation
 from stayalive.training.checkpoint import (
     DCP_METADATA,

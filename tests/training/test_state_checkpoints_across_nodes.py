@@ -20,9 +20,9 @@ import pytest
 import torch.distributed as dist
 
 from stayalive.agent.hub import NodeHub
-from stayalive.core.access import run_token
-from stayalive.core.faults import DiskFull, Fault
-from stayalive.core.telemetry import CheckpointCommitted, Resumed, StorageUnavailable
+from stayalive.core.protocol.access import run_token
+from stayalive.core.protocol.telemetry import CheckpointCommitted, Resumed, StorageUnavailable
+from stayalive.core.run.faults import DiskFull, Fault
 from stayalive.training import validate
 from stayalive.training.checkpoint import DCP_METADATA, MANIFEST, checkpoint_dirname, dcp_file, read_dcp_manifest
 from stayalive.training.memory import memory_path

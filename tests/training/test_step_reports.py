@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import stayalive
-from stayalive.core.progress import LAG
-from stayalive.core.telemetry import StepReport
+from stayalive.core.monitor.progress import LAG
+from stayalive.core.protocol.telemetry import StepReport
 from stayalive.training import step_reports
 from stayalive.training.step_reports import StepReports
 

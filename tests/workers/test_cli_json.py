@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from stayalive.core.fleet import FleetNode, NodeState, Quarantine
-from stayalive.core.run import Cause, CheckpointRecord, Interruption
+from stayalive.core.fleet.model import FleetNode, NodeState, Quarantine
+from stayalive.core.run.status import CheckpointRecord
+from stayalive.core.run.timeline import Cause, Interruption
 from stayalive.workers import cli
 from stayalive.workflows.fleet import FleetWorkflow
 from stayalive.workflows.run import RunWorkflow

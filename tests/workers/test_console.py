@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from stayalive.core.goodput import Ledger
-from stayalive.core.run import Cause, Progress, RunResult, RunState
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import Ledger, Progress, RunResult
+from stayalive.core.run.timeline import Cause
 from stayalive.workers import console as ui
 from tests.core.runs import checkpoint, interruption, status
 

@@ -10,17 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stayalive.core.goodput import ledger
-from stayalive.core.run import (
-    Cause,
-    DeletedCheckpoints,
-    EarlierInterruptions,
-    IntervalChoice,
-    Progress,
-    RunState,
-    RunStatus,
-    Sample,
-)
+from stayalive.core.decisions.goodput import ledger
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.status import DeletedCheckpoints, IntervalChoice, Progress, RunStatus, Sample
+from stayalive.core.run.timeline import Cause, EarlierInterruptions
 from stayalive.workers import cli
 from stayalive.workers.report import (
     POINTS,

@@ -17,7 +17,7 @@ from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import TLSConfig
 
 from stayalive.agent.relay import splice
-from stayalive.core.launch import Endpoint
+from stayalive.core.run.launch import Endpoint
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.temporal import add_temporal_flags, client_config, connect
 
