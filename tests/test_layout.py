@@ -170,3 +170,41 @@ def test_run_signal_handlers_only_post_to_the_inbox() -> None:
         assert touched <= {"inbox"}, f"{name} touches self.{sorted(touched - {'inbox'})}, not only the inbox"
         calls = [ast.unparse(node.func) for node in body if isinstance(node, ast.Call)]
         assert all(c.startswith(("self.inbox.", "Request")) for c in calls), f"{name} calls {calls}"
+
+
+def test_only_apply_moves_the_run() -> None:
+    """RunBook's changes of state (`_move` and every method that reaches it) are private but for
+    `apply`, the one door; no workflows module reaches past it (a private method of the book, or the
+    state written directly)."""
+    tree = ast.parse((ROOT / "core" / "book" / "runbook.py").read_text())
+    book = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunBook")
+    calls = {
+        method.name: {
+            node.func.attr
+            for node in ast.walk(method)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func.value) == "self"
+        }
+        for method in book.body
+        if isinstance(method, ast.FunctionDef)
+    }
+    moving, reached = {"_move"}, {"_move"}
+    while reached:
+        reached = {name for name, called in calls.items() if called & moving} - moving
+        moving |= reached
+    assert {"_record", "_observe", "apply"} <= moving, "the walk follows the calls"
+    assert {name for name in moving if not name.startswith("_")} == {"apply"}
+    past = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for path in sorted((ROOT / "workflows").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and ast.unparse(node.value).endswith("book")
+        )
+        or (isinstance(node, ast.Assign) and any(ast.unparse(t).endswith(".state") for t in node.targets))
+    ]
+    assert not past, f"workflows reach past RunBook.apply: {past}"

@@ -13,10 +13,10 @@ from stayalive.workflows import calls
 from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
+    from stayalive.core.book.findings import CheckpointAsked, Judged
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.checkpoints import ChooseInput
     from stayalive.core.messages.control import CommandRanks
-    from stayalive.core.run.lifecycle import RunState
 
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)
@@ -25,7 +25,7 @@ FINAL_VERDICT_WITHIN = timedelta(minutes=2)
 async def force(book: RunBook) -> None:
     """A person asked for a checkpoint (before maintenance, say): every rank takes one at the next
     step they agree on, and the run shows CHECKPOINTING until its verdict."""
-    book.move(RunState.CHECKPOINTING, "a checkpoint was asked for")
+    book.apply(CheckpointAsked())
     status = book.status
     command = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=book.command("checkpoint"))
     await calls.command(command, "checkpoint at the next step all ranks agree on")
@@ -65,5 +65,5 @@ async def final_verdict(book: RunBook, inbox: Inbox, generation: int, keeper_gon
             workflow.logger.warning("no verdict on the final checkpoint from the keeper; judging storage")
             await judge_leftovers(book)
             break
-        book.file_verdicts(inbox.take_verdicts())
+        book.apply(Judged(inbox.take_verdicts()))
     return any(c.step == target and c.validated for c in status.checkpoints)

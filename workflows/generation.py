@@ -21,6 +21,7 @@ from stayalive.workflows import calls, checkpoints, incidents, stragglers
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
+    from stayalive.core.book.findings import Judged, Observed
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.interval import checkpoint_steps, choose_interval
     from stayalive.core.messages.control import CommandRanks
@@ -93,7 +94,7 @@ class Generation:
         report = self.monitor.result()
         inbox.hand_over(report)
         if (quiet := self.quiet()) is not None:
-            book.observe(quiet)
+            book.apply(Observed(quiet))
 
     def _completed(self) -> MonitorEvent | None:
         if not self.monitor.done() or self.monitor.cancelled() or self.monitor.exception() is not None:
@@ -213,12 +214,12 @@ async def supervise(
         for event in [*inbox.events(gen.number), *([ended] if ended is not None else [])]:
             if book.known(event):
                 continue  # a monitor restarted from an older place found it again
-            book.observe(event)
+            book.apply(Observed(event))
             if isinstance(event, RankFailed | NodeLost | RanksFinished | Hang | SdcDetected) or ends(event):
-                book.file_verdicts(inbox.take_verdicts())  # signalled before the end: they happened first
+                book.apply(Judged(inbox.take_verdicts()))  # signalled before the end: they happened first
                 return event  # type: ignore[return-value]  # the union of what `ends` picks
             await _on_finding(book, inbox, event)
-        book.file_verdicts(inbox.take_verdicts())
+        book.apply(Judged(inbox.take_verdicts()))
         incidents.file_partitions(book, inbox)
         await retune(book)
         if until():

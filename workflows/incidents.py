@@ -19,6 +19,7 @@ from stayalive.workflows import calls
 from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
+    from stayalive.core.book.findings import Diagnosing
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.paging import Page
     from stayalive.core.decisions.recovery import interruption_from
@@ -26,7 +27,6 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.messages.control import HangInput
     from stayalive.core.messages.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
     from stayalive.core.run.launch import Membership
-    from stayalive.core.run.lifecycle import RunState
     from stayalive.core.run.timeline import Cause, Classification, Detection, Interruption
 
 
@@ -65,7 +65,7 @@ async def hang(book: RunBook, event: Hang) -> Interruption:
     collective cannot be aborted). When nothing tells the ranks apart (every one waits in the same
     collective), the entry says so and nobody is quarantined: a guess would take out a healthy node."""
     status, spec = book.status, book.spec
-    book.move(RunState.DIAGNOSING, f"no step for {event.stalled_s:.0f}s: dumping stacks")
+    book.apply(Diagnosing(f"no step for {event.stalled_s:.0f}s: dumping stacks"))
     request = HangInput(
         run_id=status.run_id,
         nodes=status.nodes,

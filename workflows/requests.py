@@ -17,6 +17,7 @@ from stayalive.workflows.generation import Ending, Generation
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
+    from stayalive.core.book.findings import Draining, Held, HoldOver, Joined, Paused, Resumed, RolledBack
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.messages.control import CommandRanks, ReleaseRanks
     from stayalive.core.messages.events import AllHeld
@@ -49,24 +50,22 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         paging=PLANNED,
     )
     interruption.resumed_at(held)
-    book.held_at = None
     if request.kind == "drain":
         membership = await incidents.replace(book, interruption, request.node, f"drained: {request.reason}")
         release = ReleaseRanks(run_id=status.run_id, nodes=[request.node])
         await calls.release(release, f"{request.node}: its ranks leave the group; release the run there")
         interruption.actions.append(f"resized to {len(membership.nodes)} nodes; survivors kept their processes")
-        book.move(RunState.RESIZING, f"drained {request.node}")
+        note = f"drained {request.node}"
     else:
-        book.move(RunState.STOPPED, f"paused: {request.reason}")
+        book.apply(Paused(request.reason))
         inbox.resumed = False
         await inbox.until(lambda: inbox.resumed)
         interruption.idle_seconds = (workflow.now() - started).total_seconds()
         membership = without_node(status.nodes, None, None)
         interruption.actions.append("resumed by an operator")
-        book.move(RunState.RESUMING, "resumed by an operator")
-    book.keep_survivors(membership)
+        note = "resumed by an operator"
+    book.apply(HoldOver(interruption, membership, note))
     await gen.end()
-    book.record(interruption)
     request.outcome = f"held at step {held}; " + "; ".join(interruption.actions[1:])
     return None
 
@@ -76,26 +75,21 @@ async def hold(book: RunBook, inbox: Inbox, gen: Generation, why: str) -> int | 
     checkpoint of that step is judged before anything about the group changes. Returns the held step,
     or what ended the generation first."""
     status = book.status
-    book.move(RunState.DRAINING, why)
+    book.apply(Draining(why))
     hold = CommandRanks(run_id=status.run_id, nodes=status.nodes, command=book.command("hold"))
     await calls.command(hold, f"{why}: finish the in-flight step, checkpoint it, hold")
     ended = await generation.supervise(book, inbox, gen, ends=lambda e: isinstance(e, AllHeld), take_requests=False)
     if not isinstance(ended, AllHeld):
         assert ended is not None
         return ended
-    book.held_at = ended.step
-    book.file_verdicts([ended.judged] if ended.judged is not None else [])
-    if not book.judged(ended.step, gen.number):  # the monitor is done: storage has the held step's checkpoint
-        book.move(RunState.CHECKPOINTING, f"{why}: validating the checkpoint of step {ended.step}")
-        await checkpoints.judge_leftovers(book)
+    if book.apply(Held(ended.step, gen.number, ended.judged, why)).judge_held:
+        await checkpoints.judge_leftovers(book)  # the monitor is done: storage has the held step's checkpoint
     return ended.step
 
 
 def rollback(book: RunBook, request: Request) -> None:
     """Everything after the step is abandoned; the next generation restarts from its checkpoint."""
-    superseded = book.rollback(request.step, workflow.now())
-    if book.state == RunState.STOPPED:
-        book.move(RunState.RESUMING, f"resume_from step {request.step}")
+    superseded = book.apply(RolledBack(request.step, workflow.now())).said
     request.outcome = f"rolling back to step {request.step}; {superseded}"
 
 
@@ -119,9 +113,7 @@ async def stopped(book: RunBook, inbox: Inbox) -> None:
             if woken:
                 inbox.resumed, delay = False, 2.5
             if spare := await calls.take_spare(status.run_id, book.spare_candidates()):
-                book.joined(spare)
-            if len(status.nodes) >= spec.min_nodes:
-                book.move(RunState.RESUMING, f"{spare} joined: {len(status.nodes)} nodes")
+                book.apply(Joined(spare))  # the run resumes once it has min_nodes
             delay = min(delay * 2, 60.0)
             continue
         if inbox.requests:
@@ -132,5 +124,5 @@ async def stopped(book: RunBook, inbox: Inbox) -> None:
                 request.outcome = f"the run is stopped ({status.failure}): resume it first"
         else:
             inbox.resumed = False
-            book.move(RunState.RESUMING, "resumed by an operator")
+            book.apply(Resumed("resumed by an operator"))
     book.idled((workflow.now() - began).total_seconds())

@@ -4,7 +4,9 @@ A thin shell over a RunBook (core/book/runbook.py), which owns the run's state a
 The workflow waits and calls: it launches a generation (workflows/generation.py), watches it until
 something ends it, and hands that to the module that knows what to do — a failure, a hang or
 corruption (incidents.py), a person's request (requests.py), slowness (stragglers.py), checkpoints
-(checkpoints.py) — which returns what came of it. Messages only land in the inbox; the loop decides.
+(checkpoints.py) — which gathers the evidence and returns what it found. Each finding goes to
+`book.apply`, which moves the run as the lifecycle table allows. Messages only land in the inbox;
+the loop decides.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from stayalive.workflows.inbox import Inbox, Request
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
 
+    from stayalive.core.book.findings import (
+        Cancelled,
+        Failed,
+        Finished,
+        Interrupted,
+        Judged,
+        Launching,
+        LaunchRefused,
+        ShortOfNodes,
+    )
     from stayalive.core.book.health import Health, health_table
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.fencing import PARTITION_REPORT, PartitionReport
@@ -135,7 +147,7 @@ class RunWorkflow:
             await self._stop_watching()  # before the release: what the ranks do then is no finding
             await self._release()
             await self._end_deliveries()
-            book.move(RunState.CANCELLED)
+            book.apply(Cancelled())
             raise
         await self._stop_watching()
         await self._file_pages()
@@ -258,7 +270,8 @@ class RunWorkflow:
             workflow.logger.warning("fleet refused %s: %s", node, why)
             book.refused(node, await calls.take_spare(status.run_id, book.spare_candidates()))
         if len(status.nodes) < book.spec.min_nodes:
-            book.stop(f"the fleet has {len(status.nodes)} usable nodes of the {book.spec.min_nodes} this run needs")
+            usable = f"the fleet has {len(status.nodes)} usable nodes of the {book.spec.min_nodes} this run needs"
+            book.apply(ShortOfNodes(usable))
 
     async def _start(self) -> Generation | None:
         """Launch the next generation (or re-attach to the running one) and start watching it. None
@@ -267,7 +280,7 @@ class RunWorkflow:
         status = book.status
         reattach, rejoin = status.reattach, status.membership is not None
         if not reattach:
-            book.move(RunState.LAUNCHING if book.state == RunState.PENDING else RunState.RESUMING)
+            book.apply(Launching())
             if status.generation > 0 and not rejoin:
                 await checkpoints.judge_leftovers(book)
             resume = status.latest_valid_checkpoint()
@@ -278,10 +291,10 @@ class RunWorkflow:
             await self._file_pages()
             if launched.refused:
                 refusals = "; ".join(launched.refused[node] for node in sorted(launched.refused))
-                book.fail(f"the launch was refused: {refusals}")
+                book.apply(LaunchRefused(refusals))
                 return None
             if not launched.started:
-                book.keep_survivors(None)  # held survivors may have been told to rejoin: start afresh
+                book.start_afresh()
                 await self._restart(await incidents.unreachable(book, launched.unreachable))
                 return None
         gen = generation.start_monitor(book)
@@ -298,29 +311,30 @@ class RunWorkflow:
     async def _end(self, gen: Generation, ending: Ending) -> None:
         """What ended the generation decides what comes next."""
         book = self.book
-        if isinstance(ending, Request):
-            if ending.kind == "rollback":
+        match ending:
+            case Request(kind="rollback"):
                 await gen.end()
                 requests.rollback(book, ending)
-            elif (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
-                await self._end(gen, interrupted)
-        elif isinstance(ending, Reattach):
-            book.reattach()
-            await gen.end()
-        elif isinstance(ending, RanksFinished):
-            await self._finish(gen, ending)
-        elif isinstance(ending, RankFailed | NodeLost):
-            await gen.end()
-            await self._restart(await incidents.failure(book, ending))
-        elif isinstance(ending, Hang):
-            interruption = await incidents.hang(book, ending)
-            await gen.end()
-            await self._restart(interruption)
-        elif isinstance(ending, SdcDetected):
-            await gen.end()
-            await self._restart(await incidents.sdc(book, ending))
-        elif isinstance(ending, AllHeld):
-            workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
+            case Request():
+                if (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
+                    await self._end(gen, interrupted)
+            case Reattach():
+                book.reattach()
+                await gen.end()
+            case RanksFinished():
+                await self._finish(gen, ending)
+            case RankFailed() | NodeLost():
+                await gen.end()
+                await self._restart(await incidents.failure(book, ending))
+            case Hang():
+                interruption = await incidents.hang(book, ending)  # the stacks, while the ranks still hang
+                await gen.end()
+                await self._restart(interruption)
+            case SdcDetected():
+                await gen.end()
+                await self._restart(await incidents.sdc(book, ending))
+            case AllHeld():
+                workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
 
     async def _end_deliveries(self) -> None:
         """Pages on their way to the webhook land, or are given up after the spec's grace."""
@@ -342,7 +356,8 @@ class RunWorkflow:
         """Record a failure; the next generation restarts every rank from a checkpoint. Its page is
         filed once that generation is launched."""
         book, now = self.book, workflow.now()
-        paging = book.failed(interruption, prior_mtbf(book.status), recent_goodput(book.status, now))
+        paging = book.apply(Failed(interruption, prior_mtbf(book.status), recent_goodput(book.status, now))).page
+        assert paging is not None, "a failure is recorded with its paging class"
         await self._tell_fleet(failures=1)
         workflow.logger.warning("interruption: %s", interruption.line())
         self.pages.append(incidents.page(book, paging, interruption.line()))
@@ -361,24 +376,23 @@ class RunWorkflow:
         target = book.spec.target_step
         if not book.spec.hooks or target is None:
             await gen.end()
-            book.move(RunState.COMPLETED)
+            book.apply(Finished(None, workflow.now()))
             return
-        book.file_verdicts([finished.judged] if finished.judged is not None else [])
+        book.apply(Judged([finished.judged] if finished.judged is not None else []))
         valid = await checkpoints.final_verdict(book, self.inbox, gen.number, keeper_gone=gen.monitor.done())
         await gen.end()
         if not valid:
-            book.record(
-                Interruption(
-                    at=workflow.now(),
-                    generation=book.status.generation,
-                    detected_by="final checkpoint validation",
-                    cause=Cause.CHECKPOINT_INVALID,
-                    step=target,
-                    detail=f"ranks finished but the checkpoint of step {target} is not valid",
-                )
+            invalid = Interruption(
+                at=workflow.now(),
+                generation=book.status.generation,
+                detected_by="final checkpoint validation",
+                cause=Cause.CHECKPOINT_INVALID,
+                step=target,
+                detail=f"ranks finished but the checkpoint of step {target} is not valid",
             )
+            book.apply(Interrupted(invalid))
             return
-        book.complete(target, workflow.now())
+        book.apply(Finished(target, workflow.now()))
 
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.

@@ -1,20 +1,45 @@
 """The run's book: its state (RunStatus) and every change to it, in one place.
 
-RunWorkflow is a thin shell over a RunBook, as FleetWorkflow is over core/fleet/model.py: the workflow
-waits and calls activities, the book records what came of it. Pure: the time comes in as an argument,
-and a change of state is checked against core/run/lifecycle.py's table. A move the table does not have
-is a bug, not a decision: it raises (IllegalMove), and the workflow task fails and is retried until
-a fixed worker takes it, the run untouched meanwhile.
+RunWorkflow is a thin shell over a RunBook, as FleetWorkflow is over core/fleet/rules.py: the
+workflow waits and calls activities, and hands what it found (core/book/findings.py) to `apply`,
+the one door to the run's state. `apply` picks the next state by the finding and the state it meets,
+checks the move against core/run/lifecycle.py's table, records it, and says what comes next. A move
+the table does not have is a bug, not a decision: it raises (IllegalMove), and the workflow task
+fails and is retried until a fixed worker takes it, the run untouched meanwhile. Pure: the time
+comes in with the findings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import assert_never
 
+from stayalive.core.book import records
+from stayalive.core.book.findings import (
+    Cancelled,
+    CheckpointAsked,
+    Diagnosing,
+    Draining,
+    Failed,
+    Finding,
+    Finished,
+    Held,
+    HoldOver,
+    Interrupted,
+    Joined,
+    Judged,
+    Launching,
+    LaunchRefused,
+    Next,
+    Observed,
+    Paused,
+    Resumed,
+    RolledBack,
+    ShortOfNodes,
+)
 from stayalive.core.decisions.fencing import PartitionReport, amend
 from stayalive.core.decisions.paging import classify, over_limit
-from stayalive.core.decisions.recovery import file_judged, mark_suspect, supersede
 from stayalive.core.fleet.model import FailureRate
 from stayalive.core.judgement.escalation import Escalation
 from stayalive.core.judgement.eviction import Eviction
@@ -31,9 +56,8 @@ from stayalive.core.protocol.telemetry import Command, CommandKind, SdcCheck
 from stayalive.core.run.launch import Membership, node_of, without_node
 from stayalive.core.run.lifecycle import RunState, why
 from stayalive.core.run.spec import RunSpec
-from stayalive.core.run.status import REJECTED_KEPT, CheckpointRecord, IntervalChoice, RunStatus, Sample, append_bounded
+from stayalive.core.run.status import CheckpointRecord, IntervalChoice, RunStatus, append_bounded
 from stayalive.core.run.timeline import (
-    DETECTIONS_KEPT,
     INTERRUPTIONS_KEPT,
     PLANNED,
     Cause,
@@ -41,7 +65,6 @@ from stayalive.core.run.timeline import (
     Detection,
     Interruption,
     PagingClass,
-    is_planned,
 )
 
 
@@ -51,6 +74,9 @@ def _ignore(*_: object) -> None:
 
 class IllegalMove(Exception):
     """A change of state that core/run/lifecycle.py's table does not have."""
+
+
+S = RunState
 
 
 class RunBook:
@@ -64,7 +90,7 @@ class RunBook:
         self.on_move = on_move  # the workflow shows the new state (web UI details, search attributes)
         # New live numbers or a checkpoint: the workflow refreshes its details and, now and then, its listing.
         self.on_progress = on_progress
-        self.held_at: int | None = None  # the step every rank holds at, while a drain or a pause is judged
+        self._held_at: int | None = None  # the step every rank holds at, while a drain or a pause is judged
 
     @property
     def spec(self) -> RunSpec:
@@ -73,6 +99,86 @@ class RunBook:
     @property
     def state(self) -> RunState:
         return self.status.state
+
+    # -- the one door to the run's state -------------------------------------------------------
+
+    def apply(self, finding: Finding) -> Next:
+        """Take in what the workflow found: move as the lifecycle allows, record it, say what next."""
+        status, page, judge_held, said = self.status, None, False, ""
+        match finding:
+            case Observed(event):
+                self._observe(event)
+            case Judged(verdicts):
+                self._file_verdicts(verdicts)
+            case Launching():
+                self._move(S.LAUNCHING if self.state == S.PENDING else S.RESUMING)
+            case LaunchRefused(refusals):
+                self._fail(f"the launch was refused: {refusals}")
+            case ShortOfNodes(reason):
+                self._stop(reason)
+            case CheckpointAsked():
+                self._move(S.CHECKPOINTING, "a checkpoint was asked for")
+            case Draining(why_):
+                self._move(S.DRAINING, why_)
+            case Held(step, generation, judged, why_):
+                self._held_at = step
+                self._file_verdicts([judged] if judged is not None else [])
+                if judge_held := not self.judged(step, generation):  # storage has it: judge it there
+                    self._move(S.CHECKPOINTING, f"{why_}: validating the checkpoint of step {step}")
+            case Paused(reason):
+                self._held_at = None
+                self._move(S.STOPPED, f"paused: {reason}")
+            case HoldOver(interruption, membership, note):
+                self._held_at = None
+                self._move(S.RESIZING if interruption.cause == Cause.DRAIN else S.RESUMING, note)
+                status.membership = membership  # survivors rejoin in place; newcomers start fresh
+                self._record(interruption)
+            case Diagnosing(note):
+                self._move(S.DIAGNOSING, note)
+            case Failed(interruption, baseline_mtbf_s, recent_goodput):
+                page = self._failed(interruption, baseline_mtbf_s, recent_goodput)
+            case Interrupted(interruption):
+                self._record(interruption)
+            case RolledBack(step, at):
+                said = self._rollback(step, at)
+                if self.state == S.STOPPED:
+                    self._move(S.RESUMING, f"resume_from step {step}")
+            case Resumed(note):
+                self._move(S.RESUMING, note)
+            case Joined(spare):
+                self._joined(spare)
+                if len(status.nodes) >= self.spec.min_nodes:
+                    self._move(S.RESUMING, f"{spare} joined: {len(status.nodes)} nodes")
+            case Finished(step, at):
+                if step is not None:
+                    status.progress.step = step
+                    # on storage, so storage that was away is back (its last ranks may exit before
+                    # the monitor reads the commit that said so)
+                    records.storage_back(status, step, at.timestamp())
+                self._move(S.COMPLETED)
+            case Cancelled():
+                self._move(S.CANCELLED)
+            case _:
+                assert_never(finding)
+        return Next(state=self.state, page=page, judge_held=judge_held, said=said)
+
+    def _move(self, to: RunState, note: str = "") -> None:
+        """Change state as the lifecycle allows (the same state again: news for the web UI's details)."""
+        current = self.status.state
+        if current != to and why(current, to) is None:
+            raise IllegalMove(f"the run's lifecycle has no move from {current} to {to} ({note or 'no note'})")
+        self.status.state = to
+        self.on_move(self.status, note)
+
+    def _fail(self, reason: str) -> None:
+        """The run cannot go on, whoever tries: nothing will resume it."""
+        self.status.failure = reason
+        self._move(S.FAILED, reason)
+
+    def _stop(self, reason: str) -> None:
+        """Nobody trains until a person (or, below min_nodes, a free node) lets the run go on."""
+        self.status.failure = reason
+        self._move(S.STOPPED, reason)
 
     # -- the run's life ------------------------------------------------------------------------
 
@@ -111,85 +217,59 @@ class RunBook:
         """The next workflow segment watches the ranks that are running, without launching."""
         self.status.reattach = True
 
-    def complete(self, step: int, now: datetime) -> None:
-        """Every rank reached the target step and its checkpoint is valid: on storage, so storage that
-        was away is back (its last ranks may exit before the monitor reads the commit that said so)."""
-        self.status.progress.step = step
-        self._storage_back(step, now.timestamp())
-        self.move(RunState.COMPLETED)
-
     def finish(self, now: datetime) -> None:
         self.status.finished_at = now
 
-    # -- state ---------------------------------------------------------------------------------
-
-    def move(self, to: RunState, note: str = "") -> None:
-        """Change state as the lifecycle allows (the same state again: news for the web UI's details)."""
-        current = self.status.state
-        if current != to and why(current, to) is None:
-            raise IllegalMove(f"the run's lifecycle has no move from {current} to {to} ({note or 'no note'})")
-        self.status.state = to
-        self.on_move(self.status, note)
-
-    def fail(self, reason: str) -> None:
-        """The run cannot go on, whoever tries: nothing will resume it."""
-        self.status.failure = reason
-        self.move(RunState.FAILED, reason)
-
-    def stop(self, reason: str) -> None:
-        """Nobody trains until a person (or, below min_nodes, a free node) lets the run go on."""
-        self.status.failure = reason
-        self.move(RunState.STOPPED, reason)
-
     # -- the timeline --------------------------------------------------------------------------
 
-    def record(self, interruption: Interruption) -> None:
+    def _record(self, interruption: Interruption) -> None:
         """The one place a timeline row is written. The next generation fills in where it resumed."""
         status = self.status
         verdict = over_limit(status.interruptions, interruption, self.spec.failure_limit)
         status.interruptions.append(interruption)
         while len(status.interruptions) > INTERRUPTIONS_KEPT:
-            self._fold(status.interruptions.pop(0))
+            records.fold(status, status.interruptions.pop(0))
         status.generation += 1
         if verdict is not None:
             interruption.actions.append(verdict)
-            self.fail(verdict)
+            self._fail(verdict)
         elif len(status.nodes) < self.spec.min_nodes:
-            self.stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
+            self._stop(f"waiting for nodes: {len(status.nodes)} of the {self.spec.min_nodes} needed")
 
-    def _fold(self, interruption: Interruption) -> None:
-        """An old interruption leaves the timeline for the totals (long since restarted from)."""
-        earlier = self.status.earlier_interruptions
-        earlier.count += 1
-        earlier.failures += not is_planned(interruption)
-        earlier.by_cause[interruption.cause.value] = earlier.by_cause.get(interruption.cause.value, 0) + 1
-        earlier.lost_seconds += (interruption.lost_steps or 0) * self.status.progress.step_seconds_p50
-        earlier.idle_seconds += interruption.idle_seconds
-        earlier.recovery_seconds += interruption.restart_seconds or 0.0
-        if is_planned(interruption):
-            earlier.planned_recovery_seconds += interruption.restart_seconds or 0.0
-        earlier.newest_at = interruption.at
-
-    def failed(
+    def _failed(
         self, interruption: Interruption, baseline_mtbf_s: float, recent_goodput: float | None
     ) -> Classification:
-        """Record a failure with its paging class (docs/architecture.md §12), judged against the timeline before it; the
-        same step failing twice stops the run for a person (data or code, not hardware)."""
+        """Record a failure with its paging class (docs/architecture.md §12), judged against the timeline
+        before it; the same step failing twice stops the run for a person (data or code, not hardware)."""
         paging = classify(self.status.interruptions, interruption, baseline_mtbf_s, recent_goodput)
         interruption.paging = paging
-        self.record(interruption)
+        self._record(interruption)
         if paging.paging == PagingClass.DETERMINISTIC and not self.state.terminal:
-            self.stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
+            self._stop(f"{paging.rule}: {paging.evidence}. {paging.action}")
             interruption.actions.append("stopped the run for a person")
         return paging
 
-    def detect(self, detection: Detection) -> None:
-        """Something that stopped nothing (a straggler, a slowdown, a skipped update). The newest
-        DETECTIONS_KEPT stay listed; every one is counted."""
+    def _rollback(self, step: int, at: datetime) -> str:
+        """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
         status = self.status
-        status.detection_counts[detection.kind] = status.detection_counts.get(detection.kind, 0) + 1
-        status.detections.append(detection)
-        del status.detections[:-DETECTIONS_KEPT]
+        superseded = records.supersede_after(status, step)
+        interruption = Interruption(
+            at=at,
+            generation=status.generation,
+            detected_by="operator",
+            cause=Cause.ROLLBACK,
+            step=status.progress.step,
+            detail=f"resume_from step {step}",
+            actions=[f"marked {superseded} later checkpoints superseded"],
+            paging=PLANNED,
+        )
+        interruption.resumed_at(step)  # also what a checkpoint judged only later is measured against
+        self._record(interruption)
+        return f"{superseded} later checkpoints superseded"
+
+    def detect(self, detection: Detection) -> None:
+        """Something that stopped nothing (a straggler, a slowdown, a skipped update)."""
+        records.detect(self.status, detection)
 
     def lingered(self, finished: RanksFinished, now: datetime) -> None:
         """Ranks still running an exit grace after another finished: the run's release stops them."""
@@ -209,47 +289,9 @@ class RunBook:
         )
 
     def storage(self, event: StorageOutage) -> Classification | None:
-        """Checkpoint storage went away, stayed away, or came back: one detection per outage, however
-        many generations it spans. Returns the page to send when it has outlasted paging's bound."""
-        status = self.status
-        if event.phase == "began":
-            if status.storage_outage is None:
-                status.storage_outage = event.outage
-                self.detect(
-                    Detection(
-                        at=datetime.fromtimestamp(event.outage.since, UTC),
-                        generation=status.generation,
-                        kind="storage_outage",
-                        step=event.outage.step,
-                        evidence=event.outage.error,
-                        actions=["training goes on: checkpoints stay in host memory (this node's and a replica's)"],
-                    )
-                )
-            return None
-        if event.phase == "lasting":
-            if status.storage_outage is None or status.storage_outage.paged:
-                return None  # over already, or a monitor restarted from an older place found it again
-            status.storage_outage = event.outage
-            if (ongoing := self._storage_detection()) is not None:
-                ongoing.paging = event.paging
-                ongoing.actions.append(f"paged after {event.lasted_s:.0f}s")
-            return event.paging
-        self._storage_back(event.landed_step, event.at)
-        return None
-
-    def _storage_back(self, landed_step: int | None, at: float) -> None:
-        """A checkpoint landed on storage: the outage, if one is open, is over."""
-        status = self.status
-        if (outage := status.storage_outage) is None:
-            return
-        status.storage_outage = None
-        if (ongoing := self._storage_detection()) is not None:
-            lasted = max(0.0, at - outage.since)
-            ongoing.actions.append(f"storage back after {lasted:.0f}s: the checkpoint of step {landed_step} landed")
-
-    def _storage_detection(self) -> Detection | None:
-        """The open outage's detection (None once the newest detections have pushed it out)."""
-        return next((d for d in reversed(self.status.detections) if d.kind == "storage_outage"), None)
+        """Checkpoint storage went away, stayed away, or came back (core/book/records.py). Returns the
+        page to send when it has outlasted paging's bound."""
+        return records.storage(self.status, event)
 
     def partitioned(self, report: PartitionReport) -> Interruption | None:
         """A node agent fenced itself out of a generation it was cut off from: that generation's
@@ -263,6 +305,11 @@ class RunBook:
         if last is not None and last.resumed_from is None:
             last.resumed_at(step)
 
+    def idled(self, seconds: float) -> None:
+        """The run waited `seconds` for a person or for nodes after its last interruption."""
+        if self.status.interruptions:
+            self.status.interruptions[-1].idle_seconds += seconds
+
     # -- what the monitor reports --------------------------------------------------------------
 
     def known(self, event: MonitorEvent) -> bool:
@@ -271,7 +318,7 @@ class RunBook:
             return event.rank in self.status.known_stragglers()
         return isinstance(event, SlowdownFound) and self.status.slowdown_known()
 
-    def observe(self, event: MonitorEvent) -> None:
+    def _observe(self, event: MonitorEvent) -> None:
         status = self.status
         status.progress = event.progress
         status.straggler_seconds += event.progress.straggler_s  # the monitor counts afresh after each report
@@ -284,98 +331,30 @@ class RunBook:
         if last is not None and last.generation == status.generation - 1 and last.restart_seconds is None:
             last.restart_seconds = max(0.0, (at - last.at).total_seconds() - last.idle_seconds)
             last.restored_from = last.restored_from or event.restored_from
-        if status.state in (RunState.LAUNCHING, RunState.RESUMING):
-            self.move(RunState.RUNNING)
+        if status.state in (S.LAUNCHING, S.RESUMING):
+            self._move(S.RUNNING)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def file_verdicts(self, verdicts: list[CheckpointJudged]) -> None:
-        """The keeper's verdicts on the current generation's checkpoints. One that arrives after its
-        generation ended counts only for what retention deleted: the restart judged storage itself."""
-        status = self.status
+    def _file_verdicts(self, verdicts: list[CheckpointJudged]) -> None:
+        """The keeper's verdicts (core/book/records.py): a forced checkpoint's ends CHECKPOINTING, a
+        held step's does not (the hold goes on to a resize or a pause)."""
         for judged in verdicts:
-            self._deleted(judged.deleted)
-            if judged.generation != status.generation:
-                continue
-            if any(c.path == judged.checkpoint.path for c in status.checkpoints):
-                continue  # a keeper restarted from an older place judged it again
-            checkpoint = judged.checkpoint
-            status.verified_step = file_judged(status.checkpoints, status.verified_step, checkpoint)
-            status.progress.step = max(status.progress.step, checkpoint.step)
-            sample = Sample(
-                at=checkpoint.written_at, step=checkpoint.step, step_seconds_p50=status.progress.step_seconds_p50
-            )
-            append_bounded(status.samples, sample)
-            if status.state == RunState.CHECKPOINTING and self.held_at is None:
-                self.move(RunState.RUNNING)
-            self.on_progress(status)
+            if records.file_verdict(self.status, judged):
+                if self.state == S.CHECKPOINTING and self._held_at is None:
+                    self._move(S.RUNNING)
+                self.on_progress(self.status)
 
     def file_leftovers(self, found: list[CheckpointRecord]) -> None:
-        """What the last generation committed that nobody had judged, judged before a restart: what
-        ranks halted by an SDC check or sent back by a rollback left is marked as such."""
-        status = self.status
-        status.checkpoints.extend(found)
-        for interruption in status.interruptions:
-            earlier = [c for c in found if c.generation <= interruption.generation]
-            if (check := interruption.sdc_check) is not None:
-                mark_suspect(earlier, interruption.generation, check.last_verified)
-            if interruption.cause == Cause.ROLLBACK and interruption.resumed_from is not None:
-                supersede(earlier, interruption.resumed_from)
+        """What the last generation committed that nobody had judged, judged before a restart."""
+        records.file_leftovers(self.status, found)
 
     def corrupted(self, check: SdcCheck) -> list[CheckpointRecord]:
-        """A failed SDC check: what was written after the last passing check may hold corrupted state and
-        becomes suspect; the timeline that restarts is verified up to where it starts."""
-        status = self.status
-        suspect = mark_suspect(status.checkpoints, status.generation, check.last_verified)
-        resume = status.latest_valid_checkpoint()
-        status.verified_step = resume.step if resume else 0
-        return suspect
+        """A failed SDC check: the checkpoints written after the last passing one become suspect."""
+        return records.corrupted(self.status, check)
 
     def judged(self, step: int, generation: int) -> bool:
         return any(c.step == step and c.generation == generation for c in self.status.checkpoints)
-
-    def _deleted(self, paths: list[str]) -> None:
-        """Retention deleted these: their records leave the state, their totals stay, and so does
-        the record of one refused (invalid or suspect), among the newest REJECTED_KEPT."""
-        if not paths:
-            return
-        status, gone = self.status, set(paths)
-        summary = status.deleted_checkpoints
-        for record in status.checkpoints:
-            if record.path in gone:
-                summary.count += 1
-                summary.blocking_seconds += record.blocking_seconds
-                summary.newest_step = max(summary.newest_step or 0, record.step)
-                if record.validated is False or record.suspect:
-                    status.rejected_checkpoints.append(record)
-        del status.rejected_checkpoints[:-REJECTED_KEPT]
-        status.checkpoints = [c for c in status.checkpoints if c.path not in gone]
-
-    # -- requests ------------------------------------------------------------------------------
-
-    def rollback(self, step: int, now: datetime) -> str:
-        """Everything after `step` is abandoned; the next generation restarts from its checkpoint."""
-        status = self.status
-        superseded = supersede(status.checkpoints, step)
-        status.verified_step = min(status.verified_step, step)
-        interruption = Interruption(
-            at=now,
-            generation=status.generation,
-            detected_by="operator",
-            cause=Cause.ROLLBACK,
-            step=status.progress.step,
-            detail=f"resume_from step {step}",
-            actions=[f"marked {len(superseded)} later checkpoints superseded"],
-            paging=PLANNED,
-        )
-        interruption.resumed_at(step)  # also what a checkpoint judged only later is measured against
-        self.record(interruption)
-        return f"{len(superseded)} later checkpoints superseded"
-
-    def idled(self, seconds: float) -> None:
-        """The run waited `seconds` for a person or for nodes after its last interruption."""
-        if self.status.interruptions:
-            self.status.interruptions[-1].idle_seconds += seconds
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -399,11 +378,11 @@ class RunBook:
         status.nodes = list(membership.nodes)
         return membership
 
-    def keep_survivors(self, membership: Membership | None) -> None:
-        """After a hold, the next generation keeps the survivors' processes (newcomers start fresh)."""
-        self.status.membership = membership
+    def start_afresh(self) -> None:
+        """The next generation starts every rank anew (held survivors may have been told to rejoin)."""
+        self.status.membership = None
 
-    def joined(self, spare: str) -> None:
+    def _joined(self, spare: str) -> None:
         """A free node joins a run that was waiting for one."""
         status = self.status
         status.nodes.append(spare)

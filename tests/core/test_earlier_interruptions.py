@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from stayalive.core.book.findings import Interrupted
 from stayalive.core.book.runbook import RunBook
 from stayalive.core.decisions.goodput import ledger
 from stayalive.core.decisions.interval import run_mtbf
@@ -31,7 +32,7 @@ def recorded(timeline_of: int) -> RunStatus:
         row = interruption(at(hours=hour + 0.5), cause, node=f"n{hour % 7}", step=1000 * hour + lost)
         row.resumed_at(1000 * hour)
         row.restart_seconds = 60.0 if cause == Cause.DRAIN else 600.0
-        book.record(row)
+        book.apply(Interrupted(row))
     return book.status
 
 

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 import numpy as np
 import pytest
 
+from stayalive.core.book.findings import Interrupted, Observed
 from stayalive.core.book.runbook import RunBook
 from stayalive.core.decisions.goodput import ledger, recent_goodput, straggler_wait
 from stayalive.core.decisions.interval import overhead, young
@@ -254,9 +255,9 @@ def test_a_lost_node_costs_its_work_since_the_checkpoint_and_its_silence() -> No
     lost = interruption_from(NodeLost(node="n2", detail="silent", progress=last), status, died + timedelta(seconds=15))
     assert (lost.at, lost.step, lost.detected_after_s) == (died, 1450, 15.0)
     book = RunBook(status)
-    book.record(lost)
+    book.apply(Interrupted(lost))
     book.resumed(1000)
-    book.observe(FirstStep(step=1001, at=(died + timedelta(seconds=60)).timestamp(), progress=last))
+    book.apply(Observed(FirstStep(step=1001, at=(died + timedelta(seconds=60)).timestamp(), progress=last)))
     assert lost.lost_steps == 450 and lost.restart_seconds == 60.0
     result = ledger(status, at(hours=4))
     assert (result.lost, result.recovery) == (900.0, 60.0)

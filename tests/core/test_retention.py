@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from stayalive.core.book.findings import Judged
 from stayalive.core.book.runbook import RunBook
 from stayalive.core.decisions.goodput import ledger
 from stayalive.core.decisions.retention import keep_count, to_delete
@@ -61,7 +62,7 @@ def test_a_month_of_checkpoints_keeps_the_state_small() -> None:
     for n in range(written):
         checkpoint = record(10 * (n + 1), (n + 1) / 12)
         deleted = to_delete([*book.status.checkpoints, checkpoint], START, sdc_check_steps=100, checkpoint_steps=10)
-        book.file_verdicts([CheckpointJudged(generation=0, checkpoint=checkpoint, deleted=[d.path for d in deleted])])
+        book.apply(Judged([CheckpointJudged(generation=0, checkpoint=checkpoint, deleted=[d.path for d in deleted])]))
     kept = book.status.checkpoints
     assert len(kept) == keep_count(100, 10) + 30 * 4  # the newest 32, and a milestone per six hours
     summary = book.status.deleted_checkpoints
@@ -91,8 +92,8 @@ def test_a_refused_checkpoint_deleted_by_retention_stays_readable() -> None:
     book = RunBook(status(started_at=START, first_step_at=START))
     good, bad = record(10, 0.1), record(20, 0.2, validated=False)
     bad.reason = "shard 2: 1024 bytes, manifest says 4096"
-    book.file_verdicts([CheckpointJudged(generation=0, checkpoint=c, deleted=[]) for c in (good, bad)])
-    book.file_verdicts([CheckpointJudged(generation=0, checkpoint=record(30, 0.3), deleted=[bad.path])])
+    book.apply(Judged([CheckpointJudged(generation=0, checkpoint=c, deleted=[]) for c in (good, bad)]))
+    book.apply(Judged([CheckpointJudged(generation=0, checkpoint=record(30, 0.3), deleted=[bad.path])]))
     assert [c.step for c in book.status.checkpoints] == [10, 30]
     (refused,) = book.status.rejected_checkpoints
     assert refused.reason == bad.reason and book.status.deleted_checkpoints.count == 1

@@ -3,6 +3,7 @@ generations it spans, one page, and the run's health says storage is away until 
 
 from __future__ import annotations
 
+from stayalive.core.book.findings import Finished
 from stayalive.core.book.health import Health
 from stayalive.core.book.runbook import RunBook
 from stayalive.core.decisions.paging import storage_outage
@@ -48,6 +49,6 @@ def test_a_run_that_completes_has_its_storage_back_though_its_last_commit_was_no
     checkpoint, valid, is on storage all the same."""
     book = RunBook(status(state=RunState.RUNNING))
     book.storage(event("began", 100))
-    book.complete(1000, at(seconds=130))
+    book.apply(Finished(1000, at(seconds=130)))
     assert book.status.storage_outage is None
     assert book.status.detections[0].actions[-1] == "storage back after 30s: the checkpoint of step 1000 landed"
