@@ -1,8 +1,9 @@
 """Asynchronous checkpoints of any state dict, through `torch.distributed.checkpoint` (DCP).
 
 step N ─ snapshot: the state dicts made, what is not a tensor of the model's or optimizer's copied
-         └ staging thread (training/staging.py): their tensors copied into CPU buffers kept from the
-           last save, while the loop goes on into step N+1's forward and backward; its update waits
+         └ staging thread (training/staging.py): their tensors copied into CPU buffers kept from
+           save to save (two sets, in turn: the last save's write may still read the other), while
+           the loop goes on into step N+1's forward and backward; its update waits
            for the copy first (`staged()`: the optimizer's step pre-hook), as DCP's async staging and
            torchtitan's zero-overhead checkpoints do. Blocking (Young/Daly's `C`) = the snapshot + that wait.
            └ writer thread: dcp.save → this node's host-memory tier      (DCP's files, its plan)
@@ -98,7 +99,8 @@ class StateCheckpointer:
         self.overlap = overlap
         self._staging: Future[dict[str, Any]] | None = None
         self._blocking = _Blocking(0.0)
-        self._writer: threading.Thread | None = None
+        self._writer: threading.Thread | None = None  # the last save's write
+        self._earlier: threading.Thread | None = None  # the write before it: the next save copies into its buffers
         self._error: BaseException | None = None
         self.flusher: Flusher[_Landing] = Flusher(
             self._land, lambda landing, since, error: on_outage(landing.step, since, error)
@@ -110,18 +112,19 @@ class StateCheckpointer:
         """Stage the state `state_of()` gives (every rank calls this at the same step) and return the
         seconds it blocked: the state dict's making counts too, as Young/Daly's `C` must."""
         started = time.perf_counter()
-        self._in_memory()
+        self._reusable()
         staging = self._stager.stage(state_of())
         if not self.overlap:  # no update of the loop's will wait for the copy: this save does
             staging.exception()  # a failed copy surfaces with the writer's error, as in staged()
         self._staging = staging if self.overlap else None
         self._blocking = _Blocking(time.perf_counter() - started)
-        self._writer = threading.Thread(
+        writer = threading.Thread(
             target=contextvars.copy_context().run,
-            args=(self._persist, step, last_verified, self._blocking, staging),
+            args=(self._persist, step, last_verified, self._blocking, staging, self._writer),
             name="stayalive-checkpoint-writer",
         )
-        self._writer.start()
+        self._earlier, self._writer = self._writer, writer
+        writer.start()
         return self._blocking.seconds
 
     def staged(self) -> None:
@@ -155,17 +158,38 @@ class StateCheckpointer:
         self._durable = self.commit.durable() or self._durable
         return self._durable
 
+    def _reusable(self) -> None:
+        """Before a save stages: the last save's copy is done, and the write two saves back, whose
+        buffers this save copies into, is over (the last save's write may go on). A failed write raises."""
+        self.staged()
+        if self._earlier is not None:
+            self._earlier.join()
+            self._earlier = None
+        self._raise_failed()
+
     def _in_memory(self) -> None:
         self.staged()
         if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+            self._writer.join()  # each write first waits for the one before it
+            self._writer = self._earlier = None
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         self.flusher.check()
 
-    def _persist(self, step: int, last_verified: int, blocking: _Blocking, staging: Future[dict[str, Any]]) -> None:
+    def _persist(
+        self,
+        step: int,
+        last_verified: int,
+        blocking: _Blocking,
+        staging: Future[dict[str, Any]],
+        after: threading.Thread | None,
+    ) -> None:
+        if after is not None:
+            after.join()  # one write at a time: DCP plans over one group, and the flusher lands them in order
         name = checkpoint_dirname(step, self.commit.generation)
         tier = self.commit.tier
         local = self.commit.staging(name) if tier is None else tier.directory / self.commit.run_id / name

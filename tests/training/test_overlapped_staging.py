@@ -5,6 +5,7 @@ that an update or a forward that did not wait would land in the checkpoint."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stayalive.training import staging
+from stayalive.training import staging, state_checkpointer
 from stayalive.training.checkpoint import checkpoint_dirname
 from stayalive.training.commit import Committer
 from stayalive.training.faults import FaultInjector
@@ -117,3 +118,47 @@ def test_without_an_update_to_wait_at_the_save_waits_for_the_copy(tmp_path: Path
     saving.wait()
     loaded = restored(tmp_path, group, 1)
     assert [name for name in saved if not torch.equal(loaded[name], saved[name])] == []
+
+
+WRITE_S = 0.6  # how long the slowed write of one checkpoint takes
+
+
+@pytest.fixture
+def slow_write(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, float]]:
+    """dcp.save slowed as a busy disk would be; each write's (directory, start, end)."""
+    writes: list[tuple[str, float, float]] = []
+    save = state_checkpointer.dcp.save
+
+    def slowly(state: dict[str, Any], *, storage_writer: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        time.sleep(WRITE_S)
+        result = save(state, storage_writer=storage_writer, **kwargs)
+        writes.append((Path(storage_writer.path).name, started, time.perf_counter()))
+        return result
+
+    monkeypatch.setattr(state_checkpointer.dcp, "save", slowly)
+    return writes
+
+
+def test_a_save_does_not_wait_for_the_last_ones_write_only_for_the_one_before(
+    tmp_path: Path, group: dist.ProcessGroup, slow_write: list[tuple[str, float, float]]
+) -> None:
+    """Two sets of staging buffers, used in turn: the save after a slow write copies into the other set
+    at once; the next copies into the first set again, so it waits for the write that read it. Every
+    checkpoint holds its own step's state, and the writes land one at a time, in order."""
+    model, optimizer = loop(seed=0)
+    saving = checkpointer(tmp_path, group, overlap=False)
+    saved, blocking = {}, {}
+    for step in (1, 2, 3):
+        saved[step] = tensors(model, optimizer)
+        blocking[step] = saving.save(step, lambda: LoopState(model, optimizer).state(0))
+        train(model, optimizer)
+    saving.wait()
+    assert blocking[2] < WRITE_S / 2, "step 2 copied into the other buffers while step 1's write went on"
+    assert blocking[3] >= WRITE_S / 2, "step 3 reuses step 1's buffers: it waited for that write"
+    written = [name for name, _, _ in slow_write]  # each into its staging directory
+    assert [checkpoint_dirname(step, 0) in name for step, name in zip((1, 2, 3), written, strict=True)] == [True] * 3
+    assert all(earlier[2] <= later[1] for earlier, later in itertools.pairwise(slow_write)), "one write at a time"
+    for step in (1, 2, 3):
+        loaded = restored(tmp_path, group, step)
+        assert [name for name in saved[step] if not torch.equal(loaded[name], saved[step][name])] == [], step
