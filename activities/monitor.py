@@ -28,14 +28,11 @@ from stayalive.activities.telemetry import NodeStreams
 from stayalive.core.messages.events import (
     MONITOR_REPORT,
     AllHeld,
-    Hang,
     MonitorEvent,
     MonitorInput,
     MonitorReport,
-    NodeLost,
-    RankFailed,
     RanksFinished,
-    SdcDetected,
+    ends_generation,
 )
 from stayalive.core.monitor.watch import GenerationWatch
 from stayalive.core.protocol.telemetry import Subscribe
@@ -44,7 +41,6 @@ from stayalive.core.run.status import Outage
 HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving
 VERDICT_WITHIN = 300.0  # the held or final step's checkpoint is on storage; its verdict is a validation away
-ENDS = (RankFailed, NodeLost, Hang, SdcDetected)
 
 
 def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
@@ -125,7 +121,7 @@ async def watch(
                 ended = AllHeld(step=held, judged=judged, progress=seen.summary())
                 return MonitorReport(generation=input.generation, event=ended)
             for event in events:
-                if isinstance(event, ENDS):
+                if ends_generation(event):
                     return MonitorReport(generation=input.generation, event=event)
                 if isinstance(event, RanksFinished):
                     return MonitorReport(generation=input.generation, event=await _with_verdict(event, input, handover))

@@ -1,4 +1,5 @@
-"""GPU health readings for the straggler diagnosis (core/judgement/diagnosis.py), one interface, two sources:
+"""GPU health readings, for the straggler diagnosis (core/judgement/diagnosis.py) and the failures a GPU
+shows without getting slow (core/judgement/gpu_faults.py); one interface, two sources:
 
 - `NvmlTelemetry` reads the node's GPUs through NVML (pynvml, from nvidia-ml-py);
 - `SimulatedTelemetry` returns healthy readings, changed by the telemetry faults currently injected
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -54,6 +56,8 @@ UNAVAILABLE: tuple[type[Exception], ...] = (
     pynvml.NVMLError_FunctionNotFound,
     pynvml.NVMLError_NoPermission,
 )
+# A GPU that fell off the bus answers every call with this: the reading says so, and nothing else.
+GPU_LOST: tuple[type[Exception], ...] = (pynvml.NVMLError_GpuIsLost,)
 # Asking for a link index past the device's last link answers "invalid argument".
 NO_SUCH_LINK: tuple[type[Exception], ...] = (*UNAVAILABLE, pynvml.NVMLError_InvalidArgument)
 
@@ -84,18 +88,59 @@ class NvmlTelemetry:
         except pynvml.NVMLError:
             pynvml.nvmlShutdown()
             raise
+        self._xid_events = self._listen_for_xids()
 
     @property
     def count(self) -> int:
         return len(self._handles)
 
     def close(self) -> None:
+        if self._xid_events is not None:
+            pynvml.nvmlEventSetFree(self._xid_events)
         pynvml.nvmlShutdown()
 
     def read(self) -> list[GpuHealth]:
-        return [self._read(index, handle) for index, handle in enumerate(self._handles)]
+        xids = self._xids()
+        readings = []
+        for index, handle in enumerate(self._handles):
+            try:
+                reading = self._read(index, handle)
+            except GPU_LOST:
+                reading = GpuHealth(node=self.node, rack=self.rack, gpu=index, lost=True)
+            readings.append(reading.model_copy(update={"xids": xids.get(index, ())}))
+        return readings
+
+    def _listen_for_xids(self) -> object | None:
+        """An NVML event set that collects every GPU's critical Xid events (None: no GPU offers them)."""
+        try:
+            events = pynvml.nvmlEventSetCreate()
+        except UNAVAILABLE:
+            return None
+        listening = 0
+        for handle in self._handles:
+            with contextlib.suppress(*UNAVAILABLE):
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, events)
+                listening += 1
+        if listening == 0:
+            pynvml.nvmlEventSetFree(events)
+            return None
+        return events
+
+    def _xids(self) -> dict[int, tuple[int, ...]]:
+        """The Xid events raised since the last read, by GPU index (waiting for none)."""
+        found: dict[int, tuple[int, ...]] = {}
+        while self._xid_events is not None:
+            try:
+                event = pynvml.nvmlEventSetWait_v2(self._xid_events, 0)
+            except pynvml.NVMLError_Timeout:
+                break
+            index = pynvml.nvmlDeviceGetIndex(event.device)
+            found[index] = (*found.get(index, ()), int(event.eventData))
+        return found
 
     def _read(self, index: int, handle: object) -> GpuHealth:
+        remapped = _optional(pynvml.nvmlDeviceGetRemappedRows, handle)  # (corrected, uncorrected, pending, failed)
+        retired = _optional(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
         power_mw = _optional(pynvml.nvmlDeviceGetPowerUsage, handle)
         limit_mw = _optional(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
         mask = _optional(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
@@ -116,6 +161,9 @@ class NvmlTelemetry:
             nvlink_links_expected=links_expected,
             nvlink_errors=link_errors,
             pcie_replays=_optional(pynvml.nvmlDeviceGetPcieReplayCounter, handle),
+            row_remap_pending=bool(remapped[2]) if remapped is not None else None,
+            row_remap_failure=bool(remapped[3]) if remapped is not None else None,
+            retired_pages_pending=retired == pynvml.NVML_FEATURE_ENABLED if retired is not None else None,
         )
 
     @staticmethod

@@ -31,6 +31,8 @@ from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
 from stayalive.agent.relay import LOOPBACK, StoreRelay
 from stayalive.agent.selftest import SelfTest
 from stayalive.core.decisions.fencing import PartitionReport, cut_off
+from stayalive.core.judgement.diagnosis import GpuHealth
+from stayalive.core.judgement.gpu_faults import hard_faults
 from stayalive.core.judgement.hangs import CollectiveProgress
 from stayalive.core.messages.control import (
     AgentAnswer,
@@ -123,6 +125,7 @@ class NodeAgent:
         self.stores: dict[str, tuple[int, dist.TCPStore]] = {}  # run → (generation, the store this node hosts for it)
         self.relays: dict[str, StoreRelay] = {}  # run → where this node's ranks reach its generation's store
         self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
+        self.telemetry: GpuTelemetry | None = None  # this host's GPUs: sampled for its runs, read by its self-test
         self._starting = asyncio.Lock()  # one launch at a time: a retried one must find the first's ranks
         self.fence_after: dict[str, float] = {}  # run → how long unread before this node fences itself out
         self.partitions: list[PartitionReport] = []  # fenced out, not reported yet (workers/node_agent.py)
@@ -282,7 +285,8 @@ class NodeAgent:
         if request.node != self.node:
             # A miswired address: a result from here would vouch for the wrong host.
             raise ValueError(f"self-test for {request.node} reached the agent of {self.node}")
-        return SelfTested(result=await SelfTest(self.node, self.broken, vacate=self.vacate).run())
+        gpus = self.telemetry.read if self.telemetry is not None else None
+        return SelfTested(result=await SelfTest(self.node, self.broken, vacate=self.vacate, gpus=gpus).run())
 
     def broken(self) -> set[str]:
         """The parts of this node's simulated hardware that compute wrong answers (its self-test sees them)."""
@@ -291,14 +295,21 @@ class NodeAgent:
     def telemetry_faults(self) -> list[TelemetryFault]:
         return [f for f in self.hardware if not isinstance(f, BrokenNode)]
 
-    async def sample_gpus(self, telemetry: GpuTelemetry, every: float = 2.0) -> None:
-        """Read this host's GPUs every few seconds into each run's telemetry: the run monitor diagnoses
-        a straggler from them (docs/architecture.md §11)."""
+    async def sample_gpus(self, telemetry: GpuTelemetry, every: float = 0.5, report_every: float = 2.0) -> None:
+        """Watch this host's GPUs a few times a second. Each run with ranks here gets a reading every
+        `report_every` (the run monitor diagnoses a straggler from them, docs/architecture.md §11), and
+        at once when a GPU fails without slowing (core/judgement/gpu_faults.py): the run cordons the node."""
+        self.telemetry = telemetry
+        last: list[GpuHealth] | None = None
+        reported_at = -report_every
         while True:
             readings = await asyncio.to_thread(telemetry.read)
-            for run_id, processes in self.ranks.items():
-                if any(p.exit_code is None for p in processes):
-                    self.hub.run(run_id).append(GpuReport(node=self.node, readings=readings, at=time.time()))
+            failed, last = hard_faults(last, readings), readings
+            if failed or time.monotonic() - reported_at >= report_every:
+                reported_at = time.monotonic()
+                for run_id, processes in self.ranks.items():
+                    if any(p.exit_code is None for p in processes):
+                        self.hub.run(run_id).append(GpuReport(node=self.node, readings=readings, at=time.time()))
             await asyncio.sleep(every)
 
     async def dump_stacks(self, run_id: str) -> StackDump:

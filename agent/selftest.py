@@ -1,12 +1,16 @@
 """A node's self-test, run by its own node agent (asked over its hub by the supervisor's `self_test`
 activity) before a quarantined node may rejoin the pool.
 
-Three checks with known answers, each of which a sick accelerator fails in its own way:
+Three checks with known answers, each of which a sick accelerator fails in its own way, and what the
+GPUs say of themselves:
 - known-answer GEMM: small integers, so the exact product is representable; any wrong element is
   a wrong answer, not rounding;
 - bitwise repeatability: the same float GEMM twice must agree bit for bit (silent corruption is
   rarely repeatable);
-- a collective with known values: two ranks on this node all-reduce rank+1 and must read 3.
+- a collective with known values: two ranks on this node all-reduce rank+1 and must read 3;
+- NVML (where the agent reads GPU telemetry): no GPU lost, no uncorrectable ECC error, no row that could
+  not be remapped, no retired page waiting for a reboot, no critical Xid, every NVLink up. A node
+  quarantined for a GPU failure stays quarantined while its GPU still shows it.
 
 `broken()` names the simulated hardware faults currently set on this node (one per check name):
 the check then corrupts its own result the way such hardware would, so the whole path from a bad
@@ -29,10 +33,13 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from stayalive.core.fleet.model import SelfTestResult
+from stayalive.core.judgement.diagnosis import GpuHealth
+from stayalive.core.judgement.gpu_faults import hard_faults
 
 log = structlog.get_logger()
 
 CHECKS = ("gemm", "repeatability", "collective")
+NVML_CHECK = "nvml"
 GEMM_SIZE = 256
 REPEAT_SIZE = 512
 COLLECTIVE_SIZE = 4096
@@ -52,15 +59,18 @@ class SelfTest:
         device: str = "cpu",
         collective_timeout: timedelta = timedelta(seconds=20),
         vacate: Callable[[], Awaitable[int]] | None = None,
+        gpus: Callable[[], list[GpuHealth]] | None = None,
     ) -> None:
         self.node = node
         self.broken = broken
         self.device = torch.device(device)
         self.collective_timeout = collective_timeout
         self.vacate = vacate  # stops whatever ranks still run here, so the checks have the node to themselves
+        self.gpus = gpus  # one reading of this host's GPUs (agent/gpu.py), where the agent has telemetry
+        self.checks = (*CHECKS, NVML_CHECK) if gpus is not None else CHECKS
 
     async def run(self, progress: Callable[[str], None] = lambda check: None) -> SelfTestResult:
-        """Run every check (a failing one does not skip the rest: the record shows all three);
+        """Run every check (a failing one does not skip the rest: the record shows them all);
         `progress` hears the name of each check as it starts."""
         if self.vacate is not None:
             # A node is quarantined with its ranks still up (a crash's neighbours, a hung rank): they
@@ -69,7 +79,7 @@ class SelfTest:
             log.info("node vacated for its self-test", node=self.node, stopped=stopped)
         faults = self.broken()
         checks: dict[str, Check] = {}
-        for name in CHECKS:
+        for name in self.checks:
             progress(name)
             try:
                 checks[name] = await self._run(name, corrupt=name in faults)
@@ -87,11 +97,23 @@ class SelfTest:
         )
 
     async def _run(self, name: str, corrupt: bool) -> Check:
+        if name == NVML_CHECK and self.gpus is not None:
+            return nvml_health(await asyncio.to_thread(self.gpus))
         if name == "gemm":
             return await asyncio.to_thread(known_answer_gemm, self.device, corrupt)
         if name == "repeatability":
             return await asyncio.to_thread(repeatable_gemm, self.device, corrupt)
         return await collective(self.device, corrupt, self.collective_timeout)
+
+
+def nvml_health(readings: list[GpuHealth]) -> Check:
+    """What the GPUs say of themselves: every failure they still show, read as if seen for the first
+    time (core/judgement/gpu_faults.py), and pages retired for ECC errors that wait for a reboot."""
+    said = [f.detail for f in hard_faults(None, readings)]
+    said += [f"{h.node} GPU {h.gpu}: retired pages wait for a reboot" for h in readings if h.retired_pages_pending]
+    if said:
+        return Check(passed=False, detail="NVML: " + "; ".join(said))
+    return Check(passed=True, detail=f"NVML: {len(readings)} GPUs, none lost, no memory, Xid or link failure")
 
 
 def known_answer_gemm(device: torch.device, corrupt: bool = False) -> Check:

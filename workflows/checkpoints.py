@@ -1,6 +1,7 @@
 """What a run learns of its checkpoints besides the keeper's verdicts (which RunBook files as they
 arrive): what the last generation left on storage that nobody judged, before a restart; and, when
-every rank has finished, the verdict on the final checkpoint. And the checkpoint a person asks for.
+every rank has finished, the verdict on the final checkpoint, which decides whether the run is done.
+And the checkpoint a person asks for.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from stayalive.workflows import calls
 from stayalive.workflows.inbox import Inbox
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.book.findings import CheckpointAsked, Judged
+    from stayalive.core.book.findings import CheckpointAsked, Finished, Interrupted, Judged
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.checkpoints import ChooseInput
     from stayalive.core.messages.control import CommandRanks
+    from stayalive.core.messages.events import RanksFinished
+    from stayalive.core.run.timeline import Cause, Interruption
 
 # Every rank has finished, so the final checkpoint is on storage; its verdict is one validation away.
 FINAL_VERDICT_WITHIN = timedelta(minutes=2)
@@ -67,3 +70,26 @@ async def final_verdict(book: RunBook, inbox: Inbox, generation: int, keeper_gon
             break
         book.apply(Judged(inbox.take_verdicts()))
     return any(c.step == target and c.validated for c in status.checkpoints)
+
+
+async def finished(
+    book: RunBook, inbox: Inbox, ending: RanksFinished, generation: int, keeper_gone: bool
+) -> Finished | Interrupted:
+    """Every rank exited cleanly (or some did and the rest lingered: the release stops them). The run
+    is done once the final checkpoint is judged valid; one that is not is an interruption, and the
+    next generation writes it again."""
+    target = book.spec.target_step
+    if not book.spec.hooks or target is None:
+        return Finished(None, workflow.now())  # a plain script: its clean exit is the end
+    book.apply(Judged([ending.judged] if ending.judged is not None else []))
+    if await final_verdict(book, inbox, generation, keeper_gone):
+        return Finished(target, workflow.now())
+    invalid = Interruption(
+        at=workflow.now(),
+        generation=book.status.generation,
+        detected_by="final checkpoint validation",
+        cause=Cause.CHECKPOINT_INVALID,
+        step=target,
+        detail=f"ranks finished but the checkpoint of step {target} is not valid",
+    )
+    return Interrupted(invalid)

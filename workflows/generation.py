@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.messages.events import (
         AllHeld,
         AnomalyFound,
+        GpuFailed,
         Hang,
         HealthyWindows,
         KeeperInput,
@@ -43,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         SlownessTally,
         StorageOutage,
         StragglerFound,
+        ends_generation,
     )
     from stayalive.core.run.faults import HARDWARE
     from stayalive.core.run.launch import Launch, supervision_env
@@ -54,7 +56,7 @@ class Reattach:
     """Continue-as-new in the middle of a generation: the next segment watches the same ranks."""
 
 
-Ending = RankFailed | NodeLost | RanksFinished | Hang | SdcDetected | AllHeld | Request | Reattach
+Ending = RankFailed | NodeLost | RanksFinished | Hang | SdcDetected | GpuFailed | AllHeld | Request | Reattach
 
 
 @dataclass
@@ -215,7 +217,7 @@ async def supervise(
             if book.known(event):
                 continue  # a monitor restarted from an older place found it again
             book.apply(Observed(event))
-            if isinstance(event, RankFailed | NodeLost | RanksFinished | Hang | SdcDetected) or ends(event):
+            if ends_generation(event) or isinstance(event, RanksFinished) or _cannot_hold(book, event) or ends(event):
                 book.apply(Judged(inbox.take_verdicts()))  # signalled before the end: they happened first
                 return event  # type: ignore[return-value]  # the union of what `ends` picks
             await _on_finding(book, inbox, event)
@@ -230,9 +232,13 @@ async def supervise(
                 gen.watch_again(book)  # the checkpoint's verdict comes from a watching monitor
             await checkpoints.force(book)
         if takes_request():
+            request = inbox.requests.pop(0)
+            if request.kind == "drain" and request.node not in book.status.nodes:
+                request.outcome = f"not carried out: {request.node} left the run before the drain was taken"
+                continue  # a failure, or an earlier drain, took the node out meanwhile
             if gen.quiet() is not None:
                 gen.watch_again(book)  # a request is carried out with the ranks watched
-            return inbox.requests.pop(0)
+            return request
         if reattach_due():
             return Reattach()
 
@@ -267,9 +273,19 @@ async def _news_or_end(book: RunBook, inbox: Inbox, gen: Generation, news: Calla
     waiting.cancel()
 
 
+def _cannot_hold(book: RunBook, event: MonitorEvent) -> bool:
+    """A GPU failed that still computes, but a plain script cannot hold at a step to drain its node:
+    the generation ends and restarts without it."""
+    return isinstance(event, GpuFailed) and not book.spec.hooks
+
+
 async def _on_finding(book: RunBook, inbox: Inbox, event: MonitorEvent) -> None:
-    """What the detectors found that ends nothing: record it, and act on slowness."""
-    if isinstance(event, AnomalyFound):
+    """What the detectors found that ends nothing: record it, act on slowness, drain a failed GPU."""
+    if isinstance(event, GpuFailed):
+        if not any(r.kind == "drain" and r.node == event.node for r in inbox.requests):
+            reason = f"GPU failure: {event.detail()}"
+            inbox.requests.append(Request(kind="drain", node=event.node, reason=reason, by="NVML", gpu=event))
+    elif isinstance(event, AnomalyFound):
         incidents.anomaly(book, event)
     elif isinstance(event, StorageOutage):
         await incidents.storage(book, event)

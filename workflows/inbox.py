@@ -16,19 +16,22 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from stayalive.core.decisions.fencing import PartitionReport
-    from stayalive.core.messages.events import CheckpointJudged, MonitorEvent, MonitorReport
+    from stayalive.core.messages.events import CheckpointJudged, GpuFailed, MonitorEvent, MonitorReport
+    from stayalive.core.run.timeline import Classification
 
 
 @dataclass
 class Request:
-    """A drain, a pause or a rollback, asked by a person (or by a detector, for a drain)."""
+    """A drain, a pause or a rollback, asked by a person (or, for a drain, by a detector or by NVML)."""
 
     kind: Literal["drain", "pause", "rollback"]
     node: str = ""
     reason: str = ""
     step: int = 0
     by: str = "operator"
+    gpu: GpuFailed | None = None  # the GPU failure a drain cordons: a failure, paged and counted, not planned
     outcome: str | None = None  # set once the main loop has carried it out
+    paged: Classification | None = None  # a GPU failure's paging class, once the drain has recorded it
 
 
 @dataclass

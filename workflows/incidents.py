@@ -22,10 +22,19 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.book.findings import Diagnosing
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.paging import Page
-    from stayalive.core.decisions.recovery import interruption_from
+    from stayalive.core.decisions.recovery import interruption_from, resumed_step
     from stayalive.core.fleet.requests import Replace
     from stayalive.core.messages.control import HangInput
-    from stayalive.core.messages.events import AnomalyFound, Hang, NodeLost, RankFailed, SdcDetected, StorageOutage
+    from stayalive.core.messages.events import (
+        AnomalyFound,
+        GpuFailed,
+        Hang,
+        NodeLost,
+        RankFailed,
+        RanksFinished,
+        SdcDetected,
+        StorageOutage,
+    )
     from stayalive.core.run.launch import Membership
     from stayalive.core.run.timeline import Cause, Classification, Detection, Interruption
 
@@ -98,6 +107,25 @@ async def hang(book: RunBook, event: Hang) -> Interruption:
     return interruption
 
 
+async def gpu_failure(book: RunBook, event: GpuFailed) -> Interruption:
+    """NVML saw a GPU of the node fail in a way it cannot compute past (lost, an uncorrectable error,
+    a critical Xid), or a plain script that cannot hold to drain: quarantine the node (its self-test
+    reads NVML again before it may return); the next generation restarts from a checkpoint."""
+    status = book.status
+    interruption = Interruption(
+        at=workflow.now(),
+        generation=status.generation,
+        detected_by="NVML: the node agent's GPU watch",
+        cause=Cause.GPU_FAULT,
+        node=event.node,
+        # The last step every rank completed, or before this generation's first the step it resumed from.
+        step=max(event.progress.step, resumed_step(status) or 0),
+        detail=event.detail(),
+    )
+    await replace(book, interruption, event.node, f"GPU failure: {event.detail()}")
+    return interruption
+
+
 DETECTED_BY = {
     "self": "bitwise self-check replay",
     "cross": "cross-rank check",
@@ -151,6 +179,24 @@ def anomaly(book: RunBook, event: AnomalyFound) -> None:
         )
     )
     workflow.logger.warning("update of step %s skipped: %s", found.step, found.detail)
+
+
+def lingered(book: RunBook, finished: RanksFinished) -> None:
+    """Ranks still running an exit grace after another finished: the run's release stops them."""
+    ranks = finished.lingering
+    shown = ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+    book.detect(
+        Detection(
+            at=workflow.now(),
+            generation=finished.generation,
+            kind="lingered",
+            step=finished.progress.step,
+            rank=ranks[0],
+            node=book.status.node_of(ranks[0]),
+            evidence=f"rank {shown} still running {finished.grace_s:g}s after the first rank finished",
+            actions=["stopped them and completed the run (health.exit_grace)"],
+        )
+    )
 
 
 async def storage(book: RunBook, event: StorageOutage) -> None:

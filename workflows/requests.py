@@ -19,6 +19,8 @@ from stayalive.workflows.inbox import Inbox, Request
 with workflow.unsafe.imports_passed_through():
     from stayalive.core.book.findings import Draining, Held, HoldOver, Joined, Paused, Resumed, RolledBack
     from stayalive.core.book.runbook import RunBook
+    from stayalive.core.decisions.goodput import recent_goodput
+    from stayalive.core.decisions.interval import prior_mtbf
     from stayalive.core.messages.control import CommandRanks, ReleaseRanks
     from stayalive.core.messages.events import AllHeld
     from stayalive.core.run.launch import without_node
@@ -41,13 +43,13 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         at=started,
         generation=status.generation,
         detected_by=request.by,
-        cause=Cause.DRAIN if request.kind == "drain" else Cause.PAUSE,
+        cause=Cause.PAUSE if request.kind == "pause" else Cause.GPU_FAULT if request.gpu else Cause.DRAIN,
         node=request.node or None,
         step=held,
         restored_from="live",
-        detail=request.reason,
+        detail=request.gpu.detail() if request.gpu else request.reason,
         actions=[f"every rank held at step {held} with a checkpoint of it"],
-        paging=PLANNED,
+        paging=None if request.gpu else PLANNED,  # a failed GPU is a failure: the book classifies it
     )
     interruption.resumed_at(held)
     if request.kind == "drain":
@@ -64,7 +66,9 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         membership = without_node(status.nodes, None, None)
         interruption.actions.append("resumed by an operator")
         note = "resumed by an operator"
-    book.apply(HoldOver(interruption, membership, note))
+    now = workflow.now()
+    over = book.apply(HoldOver(interruption, membership, note, prior_mtbf(status), recent_goodput(status, now)))
+    request.paged = over.page
     await gen.end()
     request.outcome = f"held at step {held}; " + "; ".join(interruption.actions[1:])
     return None

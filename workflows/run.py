@@ -17,12 +17,12 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Tag, ValidationError
 from temporalio import workflow
-from temporalio.common import SearchAttributeKey, SearchAttributeUpdate
 from temporalio.workflow import ActivityHandle
 
 from stayalive.workflows import calls, checkpoints, generation, incidents, requests
 from stayalive.workflows.generation import Ending, Generation, Reattach
 from stayalive.workflows.inbox import Inbox, Request
+from stayalive.workflows.listing import Listing
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -30,14 +30,11 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.book.findings import (
         Cancelled,
         Failed,
-        Finished,
-        Interrupted,
-        Judged,
         Launching,
         LaunchRefused,
         ShortOfNodes,
     )
-    from stayalive.core.book.health import Health, health_table
+    from stayalive.core.book.health import Health
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.fencing import PARTITION_REPORT, PartitionReport
     from stayalive.core.decisions.goodput import ledger, recent_goodput
@@ -50,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         MONITOR_REPORT,
         AllHeld,
         CheckpointJudged,
+        GpuFailed,
         Hang,
         MonitorReport,
         NodeLost,
@@ -60,18 +58,12 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.run.lifecycle import RunState
     from stayalive.core.run.spec import RunSpec
     from stayalive.core.run.status import CheckpointRecord, RunResult, RunStatus
-    from stayalive.core.run.timeline import Cause, Detection, Interruption
+    from stayalive.core.run.timeline import Detection, Interruption
 
 TASK_QUEUE = "stayalive"
 # Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
 # the middle of a generation only once the server's suggestion is this old (a long healthy stretch).
 REATTACH_AFTER = timedelta(minutes=10)
-# Step and Goodput are for listing and filtering runs: refreshed with every state change, and between
-# changes at a checkpoint at most this often (each refresh is a history event; `health` is live).
-LISTING_REFRESH = timedelta(minutes=5)
-RUN_STATE = SearchAttributeKey.for_keyword("RunState")
-STEP = SearchAttributeKey.for_int("Step")
-GOODPUT = SearchAttributeKey.for_float("Goodput")
 
 
 class CarriedRun(BaseModel):
@@ -110,12 +102,11 @@ class RunWorkflow:
             info = workflow.info()
             run_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}"
             status, verdicts = RunStatus(spec=input, run_id=run_id, nodes=list(input.nodes)), []
-        self.book = RunBook(status, on_move=self._show, on_progress=self._progressed)
+        self.listing = Listing()  # what the web UI shows of the run
+        self.book = RunBook(status, on_move=self.listing.show, on_progress=self.listing.progressed)
         self.inbox = Inbox(verdicts=list(verdicts))
         self.pages: list[Page] = []  # filed once the next generation is launched: never on the restart path
         self.suggested_at: datetime | None = None  # when this segment first saw continue-as-new suggested
-        self.listed_at: datetime | None = None  # when Step and Goodput were last upserted
-        self.note = ""  # what the last change of state said, kept in the details until the next
         self.gen: Generation | None = None  # the generation watched last: its monitor is stopped on the way out
         self.deliveries: list[ActivityHandle[Any]] = []  # webhook pages in flight (calls.SendsPages)
 
@@ -318,11 +309,18 @@ class RunWorkflow:
             case Request():
                 if (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
                     await self._end(gen, interrupted)
+                elif ending.paged is not None:  # the drain cordoned a failed GPU: a failure, counted and paged
+                    await self._tell_fleet(failures=1)
+                    self.pages.append(incidents.page(book, ending.paged, ending.reason))
             case Reattach():
                 book.reattach()
                 await gen.end()
-            case RanksFinished():
-                await self._finish(gen, ending)
+            case RanksFinished():  # done once the final checkpoint is judged valid
+                if ending.lingering:
+                    incidents.lingered(book, ending)
+                outcome = await checkpoints.finished(book, self.inbox, ending, gen.number, gen.monitor.done())
+                await gen.end()
+                book.apply(outcome)
             case RankFailed() | NodeLost():
                 await gen.end()
                 await self._restart(await incidents.failure(book, ending))
@@ -333,6 +331,9 @@ class RunWorkflow:
             case SdcDetected():
                 await gen.end()
                 await self._restart(await incidents.sdc(book, ending))
+            case GpuFailed():
+                await gen.end()
+                await self._restart(await incidents.gpu_failure(book, ending))
             case AllHeld():
                 workflow.logger.warning("every rank holds at step %s, but no hold was asked for", ending.step)
 
@@ -367,33 +368,6 @@ class RunWorkflow:
         for page in pages:
             await calls.send_page(page)
 
-    async def _finish(self, gen: Generation, finished: RanksFinished) -> None:
-        """Every rank exited cleanly (or some did and the rest lingered: the release stops them).
-        Done only once the final checkpoint is judged valid."""
-        book = self.book
-        if finished.lingering:
-            book.lingered(finished, workflow.now())
-        target = book.spec.target_step
-        if not book.spec.hooks or target is None:
-            await gen.end()
-            book.apply(Finished(None, workflow.now()))
-            return
-        book.apply(Judged([finished.judged] if finished.judged is not None else []))
-        valid = await checkpoints.final_verdict(book, self.inbox, gen.number, keeper_gone=gen.monitor.done())
-        await gen.end()
-        if not valid:
-            invalid = Interruption(
-                at=workflow.now(),
-                generation=book.status.generation,
-                detected_by="final checkpoint validation",
-                cause=Cause.CHECKPOINT_INVALID,
-                step=target,
-                detail=f"ranks finished but the checkpoint of step {target} is not valid",
-            )
-            book.apply(Interrupted(invalid))
-            return
-        book.apply(Finished(target, workflow.now()))
-
     async def _release(self) -> None:
         """The run is over: its nodes stop its ranks and free its memory, and go back to the fleet.
         (A node that left the group earlier was released by its drain or vacated by the self-test its
@@ -418,27 +392,6 @@ class RunWorkflow:
 
     def _checkpoint_seconds(self) -> float | None:
         return checkpoint_seconds(self.book.status)
-
-    def _show(self, status: RunStatus, note: str) -> None:
-        """The web UI's view of a change of state: the run's details, and what runs are listed by.
-        (At once: a command the workflow defers to a later point would land in a different workflow
-        task on replay when a local activity's result arrives with other events.)"""
-        self.note = note
-        workflow.set_current_details(health_table(status, note))
-        self._list(RUN_STATE.value_set(status.state.value))
-
-    def _progressed(self, status: RunStatus) -> None:
-        """New numbers between state changes: the details at once (they cost no history), Step and
-        Goodput at most every LISTING_REFRESH (each upsert is an event)."""
-        workflow.set_current_details(health_table(status, self.note))
-        if self.listed_at is None or workflow.now() - self.listed_at >= LISTING_REFRESH:
-            self._list()
-
-    def _list(self, *updates: SearchAttributeUpdate) -> None:
-        """Upsert what the web UI lists and filters runs by: Step and Goodput, and any `updates`."""
-        status, self.listed_at = self.book.status, workflow.now()
-        goodput = ledger(status, workflow.now()).goodput
-        workflow.upsert_search_attributes([*updates, STEP.value_set(status.progress.step), GOODPUT.value_set(goodput)])
 
 
 if __name__ == "__main__":

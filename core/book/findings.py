@@ -81,11 +81,14 @@ class Paused:
 @dataclass(frozen=True)
 class HoldOver:
     """A drain resized the group (`membership` without the node) or a paused run was resumed: the next
-    generation keeps the survivors' processes. `interruption` is the hold's timeline entry."""
+    generation keeps the survivors' processes. `interruption` is the hold's timeline entry: planned, or
+    (a failed GPU drained) a failure, classified against the run's MTBF and last hour's goodput."""
 
     interruption: Interruption
     membership: Membership
     note: str
+    baseline_mtbf_s: float = 0.0
+    recent_goodput: float | None = None
 
 
 @dataclass(frozen=True)

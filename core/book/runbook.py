@@ -46,14 +46,14 @@ from stayalive.core.judgement.eviction import Eviction
 from stayalive.core.messages.events import (
     CheckpointJudged,
     FirstStep,
+    GpuFailed,
     MonitorEvent,
-    RanksFinished,
     SlowdownFound,
     StorageOutage,
     StragglerFound,
 )
 from stayalive.core.protocol.telemetry import Command, CommandKind, SdcCheck
-from stayalive.core.run.launch import Membership, node_of, without_node
+from stayalive.core.run.launch import Membership, without_node
 from stayalive.core.run.lifecycle import RunState, why
 from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.status import CheckpointRecord, IntervalChoice, RunStatus, append_bounded
@@ -128,11 +128,14 @@ class RunBook:
             case Paused(reason):
                 self._held_at = None
                 self._move(S.STOPPED, f"paused: {reason}")
-            case HoldOver(interruption, membership, note):
+            case HoldOver(interruption, membership, note, baseline_mtbf_s, recent_goodput):
                 self._held_at = None
-                self._move(S.RESIZING if interruption.cause == Cause.DRAIN else S.RESUMING, note)
+                self._move(S.RESUMING if interruption.cause == Cause.PAUSE else S.RESIZING, note)
                 status.membership = membership  # survivors rejoin in place; newcomers start fresh
-                self._record(interruption)
+                if interruption.paging is None:  # a failure the hold cordoned
+                    page = self._failed(interruption, baseline_mtbf_s, recent_goodput)
+                else:
+                    self._record(interruption)
             case Diagnosing(note):
                 self._move(S.DIAGNOSING, note)
             case Failed(interruption, baseline_mtbf_s, recent_goodput):
@@ -271,23 +274,6 @@ class RunBook:
         """Something that stopped nothing (a straggler, a slowdown, a skipped update)."""
         records.detect(self.status, detection)
 
-    def lingered(self, finished: RanksFinished, now: datetime) -> None:
-        """Ranks still running an exit grace after another finished: the run's release stops them."""
-        ranks = finished.lingering
-        shown = ", ".join(str(r) for r in ranks[:16]) + (f", … ({len(ranks)} ranks)" if len(ranks) > 16 else "")
-        self.detect(
-            Detection(
-                at=now,
-                generation=finished.generation,
-                kind="lingered",
-                step=finished.progress.step,
-                rank=ranks[0],
-                node=node_of(self.status.nodes, self.spec.ranks_per_node, ranks[0]),
-                evidence=f"rank {shown} still running {finished.grace_s:g}s after the first rank finished",
-                actions=["stopped them and completed the run (health.exit_grace)"],
-            )
-        )
-
     def storage(self, event: StorageOutage) -> Classification | None:
         """Checkpoint storage went away, stayed away, or came back (core/book/records.py). Returns the
         page to send when it has outlasted paging's bound."""
@@ -316,6 +302,9 @@ class RunBook:
         """Already recorded: a monitor restarted from an older place found it again."""
         if isinstance(event, StragglerFound):
             return event.rank in self.status.known_stragglers()
+        if isinstance(event, GpuFailed):
+            return event.node not in self.status.nodes  # cordoned already
+
         return isinstance(event, SlowdownFound) and self.status.slowdown_known()
 
     def _observe(self, event: MonitorEvent) -> None:

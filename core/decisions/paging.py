@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from pydantic import BaseModel
 
 from stayalive.core.run.spec import FailureLimit
-from stayalive.core.run.timeline import PLANNED, Classification, Interruption, PagingClass, failures, is_planned
+from stayalive.core.run.timeline import PLANNED, Cause, Classification, Interruption, PagingClass, failures, is_planned
 
 WINDOW = timedelta(hours=1)
 RATE_FACTOR = 5.0
@@ -25,8 +25,9 @@ RATE_FACTOR = 5.0
 MIN_FAILURES_IN_WINDOW = 3
 GOODPUT_FLOOR = 0.3
 # A lost node's `step` is the workflow's last known progress (checkpoints, monitor events), not where
-# the node died: two node losses without a completed step between them share it by construction.
-STEP_UNKNOWN_CAUSES = frozenset({"node_lost"})
+# the node died: two node losses without a completed step between them share it by construction. A
+# failed GPU is seen by the node agent's NVML watch between steps, whatever step the ranks are at.
+STEP_UNKNOWN_CAUSES = frozenset({Cause.NODE_LOST, Cause.GPU_FAULT})
 
 
 def classify(

@@ -45,6 +45,12 @@ class GpuHealth(BaseModel):
     nvlink_errors: int | None = None  # replay + recovery + CRC, summed over links
     pcie_replays: int | None = None
     nic_utilization: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Failures that need not make the GPU slow (core/judgement/gpu_faults.py).
+    lost: bool = False  # the GPU fell off the bus: NVML answers "GPU is lost"
+    row_remap_failure: bool | None = None  # a failing row could not be remapped: the GPU must be replaced
+    row_remap_pending: bool | None = None  # a remapped row waits for a GPU reset to take effect
+    retired_pages_pending: bool | None = None  # pages retired for ECC errors wait for a reboot
+    xids: tuple[int, ...] = ()  # Xid events the driver raised since the previous reading
 
 
 class Limits(BaseModel):

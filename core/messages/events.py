@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from stayalive.core.judgement.detectors import HANG_STARTUP_S
 from stayalive.core.judgement.diagnosis import Verdict
+from stayalive.core.judgement.gpu_faults import GpuFault
 from stayalive.core.protocol.telemetry import Anomaly, SdcCheck
 from stayalive.core.run.status import CheckpointRecord, Outage, Progress
 from stayalive.core.run.timeline import Classification
@@ -112,6 +113,32 @@ class SlowdownFound(BaseModel):
     baseline_median: float
     verdicts: dict[str, Verdict]  # per node of the run
     progress: Progress
+
+
+class GpuFailed(BaseModel):
+    """NVML saw GPUs of a node fail without getting slow (core/judgement/gpu_faults.py): the node is
+    cordoned as a crashed one is, drained at an agreed step while every GPU still computes."""
+
+    kind: Literal["gpu_failed"] = "gpu_failed"
+    node: str
+    faults: list[GpuFault]
+    progress: Progress
+
+    @property
+    def steps_on(self) -> bool:
+        """Every failed GPU still computes: the run can hold at a step and drain the node."""
+        return all(f.steps_on for f in self.faults)
+
+    def detail(self) -> str:
+        return "; ".join(f.detail for f in self.faults)
+
+
+def ends_generation(event: MonitorEvent | None) -> bool:
+    """What the run cannot step past: a failed rank, a silent node, a hang, corruption, a GPU that no
+    longer computes. (A GPU that still does is cordoned by a drain at an agreed step.)"""
+    return isinstance(event, RankFailed | NodeLost | Hang | SdcDetected) or (
+        isinstance(event, GpuFailed) and not event.steps_on
+    )
 
 
 class HealthyWindows(BaseModel):
@@ -254,6 +281,7 @@ MonitorEvent = Annotated[
         Hang,
         StragglerFound,
         SlowdownFound,
+        GpuFailed,
         HealthyWindows,
         SlownessTally,
         ProgressRefresh,

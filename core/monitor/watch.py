@@ -19,9 +19,11 @@ from stayalive.core.decisions.goodput import straggler_wait
 from stayalive.core.decisions.paging import storage_outage
 from stayalive.core.judgement.detectors import WINDOW_STEPS, AbsoluteSlowdown, HangWatchdog, RelativeStraggler
 from stayalive.core.judgement.diagnosis import GpuHealth, Verdict, diagnose
+from stayalive.core.judgement.gpu_faults import hard_faults
 from stayalive.core.messages.events import (
     AnomalyFound,
     FirstStep,
+    GpuFailed,
     Hang,
     HealthyWindows,
     MonitorEvent,
@@ -104,7 +106,7 @@ class GenerationWatch:
     def record(self, node: str, message: RankMessage, now: float) -> MonitorEvent | None:
         """Fold in one record (not a step: those come as frames); the event it makes, if any."""
         if isinstance(message, GpuReport):
-            self.gpus[message.node] = message.readings
+            return self._gpus(message)
         elif getattr(message, "generation", self.input.generation) != self.input.generation:
             return None
         elif isinstance(message, RankExited):
@@ -262,6 +264,15 @@ class GenerationWatch:
             lingering=lingering,
             grace_s=grace,
         )
+
+    def _gpus(self, report: GpuReport) -> GpuFailed | None:
+        """A node's GPU reading: kept for the straggler diagnosis, and judged against the node's last
+        one for failures that make nothing slow."""
+        faults = hard_faults(self.gpus.get(report.node), report.readings)
+        self.gpus[report.node] = report.readings
+        if not faults:
+            return None
+        return GpuFailed(node=report.node, faults=faults, progress=self.summary())
 
     def _exited(self, node: str, exited: RankExited, now: float) -> MonitorEvent | None:
         self.exited.add(exited.rank)

@@ -298,6 +298,34 @@ class NvlinkDegraded(_TelemetryFault):
         return reading.model_copy(update=update)
 
 
+class GpuLost(_TelemetryFault):
+    """The GPU fell off the bus (Xid 79): NVML answers "GPU is lost" for it."""
+
+    kind: Literal["gpu_lost"] = "gpu_lost"
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        return reading.model_copy(update={"lost": True})
+
+
+class RowRemapFailure(_TelemetryFault):
+    """A failing HBM row could not be remapped (no spare rows left): the GPU must be replaced."""
+
+    kind: Literal["row_remap"] = "row_remap"
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        return reading.model_copy(update={"row_remap_failure": True, "row_remap_pending": True})
+
+
+class XidError(_TelemetryFault):
+    """The driver raises an Xid event (NVML's event API), by default 48: a double-bit ECC error."""
+
+    kind: Literal["xid"] = "xid"
+    xid: int = Field(default=48, ge=1)
+
+    def apply(self, reading: GpuHealth) -> GpuHealth:
+        return reading.model_copy(update={"xids": (*reading.xids, self.xid)})
+
+
 class NicSaturated(_TelemetryFault):
     """The node's NIC is near line rate, typically shared with another job's traffic."""
 
@@ -331,14 +359,49 @@ Fault = Annotated[
         PowerCap,
         EccErrors,
         NvlinkDegraded,
+        GpuLost,
+        RowRemapFailure,
+        XidError,
         NicSaturated,
     ],
     Field(discriminator="kind"),
 ]
-TelemetryFault = ThermalThrottle | HotAmbient | PowerCap | EccErrors | NvlinkDegraded | NicSaturated
+TelemetryFault = (
+    ThermalThrottle
+    | HotAmbient
+    | PowerCap
+    | EccErrors
+    | NvlinkDegraded
+    | GpuLost
+    | RowRemapFailure
+    | XidError
+    | NicSaturated
+)
 HardwareFault = Annotated[
-    Union[BrokenNode, ThermalThrottle, HotAmbient, PowerCap, EccErrors, NvlinkDegraded, NicSaturated],  # noqa: UP007
+    Union[  # noqa: UP007
+        BrokenNode,
+        ThermalThrottle,
+        HotAmbient,
+        PowerCap,
+        EccErrors,
+        NvlinkDegraded,
+        GpuLost,
+        RowRemapFailure,
+        XidError,
+        NicSaturated,
+    ],
     Field(discriminator="kind"),
 ]
 
-HARDWARE = (BrokenNode, ThermalThrottle, HotAmbient, PowerCap, EccErrors, NvlinkDegraded, NicSaturated)
+HARDWARE = (
+    BrokenNode,
+    ThermalThrottle,
+    HotAmbient,
+    PowerCap,
+    EccErrors,
+    NvlinkDegraded,
+    GpuLost,
+    RowRemapFailure,
+    XidError,
+    NicSaturated,
+)

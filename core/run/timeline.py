@@ -26,6 +26,7 @@ class Cause(StrEnum):
     PAUSE = "pause"
     ROLLBACK = "rollback"  # resume_from: a person sent the run back to an earlier checkpoint
     SDC = "sdc"  # a silent-data-corruption check failed: the run rolls back to a verified checkpoint
+    GPU_FAULT = "gpu_fault"  # NVML saw a GPU fail (core/judgement/gpu_faults.py): its node is cordoned
 
 
 class PagingClass(StrEnum):

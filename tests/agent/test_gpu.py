@@ -4,6 +4,7 @@ pynvml's functions replaced by a fake device), the fallback, and the simulated s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeAlias
 
 import pydantic
@@ -12,6 +13,7 @@ import pytest
 
 from stayalive.agent.gpu import NVLINKS, NvmlTelemetry, SimulatedTelemetry, gpu_telemetry, throttle_reasons
 from stayalive.core.judgement.diagnosis import Diagnosis, GpuHealth, diagnose
+from stayalive.core.judgement.gpu_faults import hard_faults
 from stayalive.core.run.faults import (
     EccErrors,
     HotAmbient,
@@ -80,6 +82,20 @@ class FakeGpu:
     links: list[int] = field(default_factory=lambda: [pynvml.NVML_FEATURE_ENABLED] * 18)
     link_errors: dict[int, Answer] = field(default_factory=dict)  # counter → per-link count
     pcie_replays: Answer = 7
+    remapped_rows: tuple[int, int, int, int] | pynvml.NVMLError = (
+        0,
+        0,
+        0,
+        0,
+    )  # corrected, uncorrected, pending, failed
+    retired_pending: Answer = pynvml.NVML_FEATURE_DISABLED
+    xids: list[int] = field(default_factory=list)  # Xid events raised, not yet read
+
+
+def answer_rows(value: tuple[int, int, int, int] | pynvml.NVMLError) -> tuple[int, int, int, int]:
+    if isinstance(value, pynvml.NVMLError):
+        raise value
+    return value
 
 
 def answer(value: Answer) -> int:
@@ -102,6 +118,13 @@ class FakeNvml:
 
     def link_errors(self, handle: int, link: int, counter: int) -> int:
         return answer(self.devices[handle].link_errors.get(counter, 0))
+
+    def next_event(self, events: object, timeout_ms: int) -> Any:
+        for index, gpu in enumerate(self.devices):
+            if gpu.xids:
+                # the fields of pynvml.c_nvmlEventData_t the reader uses (its `device` is a handle)
+                return SimpleNamespace(device=index, eventData=gpu.xids.pop(0))
+        raise error(pynvml.NVML_ERROR_TIMEOUT)
 
     def read_one(self, gpu: FakeGpu, **kwargs: Any) -> GpuHealth:
         self.devices[:] = [gpu]
@@ -141,6 +164,13 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
         "nvmlDeviceGetNvLinkState": fake.link_state,
         "nvmlDeviceGetNvLinkErrorCounter": fake.link_errors,
         "nvmlDeviceGetPcieReplayCounter": lambda h: answer(d[h].pcie_replays),
+        "nvmlDeviceGetRemappedRows": lambda h: answer_rows(d[h].remapped_rows),
+        "nvmlDeviceGetRetiredPagesPendingStatus": lambda h: answer(d[h].retired_pending),
+        "nvmlEventSetCreate": lambda: "events",
+        "nvmlEventSetFree": lambda events: None,
+        "nvmlDeviceRegisterEvents": lambda h, types, events: None,
+        "nvmlEventSetWait_v2": fake.next_event,
+        "nvmlDeviceGetIndex": lambda h: h,
     }
     for name, replacement in replacements.items():
         assert callable(getattr(pynvml, name)), f"pynvml has no {name}"  # the real API, not a guess
@@ -166,6 +196,11 @@ def test_a_healthy_device_decodes_every_field(nvml: FakeNvml) -> None:
         nvlink_errors=18 * (2 + 1),
         pcie_replays=7,
         nic_utilization=None,  # NVML does not see the NIC
+        lost=False,
+        row_remap_failure=False,
+        row_remap_pending=False,
+        retired_pages_pending=False,
+        xids=(),
     )
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
 
@@ -205,6 +240,8 @@ def test_every_field_a_device_does_not_support_is_none(nvml: FakeNvml) -> None:
         ecc={0: unsupported, 1: unsupported},  # ECC mode off
         links=[],  # a PCIe card: no NVLink
         pcie_replays=unsupported,
+        remapped_rows=unsupported,
+        retired_pending=unsupported,
     )
     reading = nvml.read_one(gpu)
     assert reading == GpuHealth(node="n1", rack="r1", gpu=0)
@@ -230,8 +267,32 @@ def test_nvlink_width_and_errors(nvml: FakeNvml) -> None:
 
 
 def test_a_lost_gpu_is_reported_not_hidden(nvml: FakeNvml) -> None:
-    with pytest.raises(pynvml.NVMLError_GpuIsLost):
-        nvml.read_one(FakeGpu(temperature=error(pynvml.NVML_ERROR_GPU_IS_LOST)))
+    """A GPU that fell off the bus is a reading that says so (the run acts on it), not an error that
+    stops the node agent reading the others."""
+    nvml.devices[:] = [FakeGpu(), FakeGpu(temperature=error(pynvml.NVML_ERROR_GPU_IS_LOST))]
+    telemetry = NvmlTelemetry("n1", "r1")
+    healthy, lost = telemetry.read()
+    telemetry.close()
+    assert not healthy.lost and healthy.temperature_c == 71
+    assert lost == GpuHealth(node="n1", rack="r1", gpu=1, lost=True)
+    assert [f.kind for f in hard_faults(None, [healthy, lost])] == ["gpu_lost"]
+
+
+def test_remapped_rows_retired_pages_and_xid_events_are_read(nvml: FakeNvml) -> None:
+    nvml.devices[:] = [
+        FakeGpu(remapped_rows=(2, 1, 1, 1), retired_pending=pynvml.NVML_FEATURE_ENABLED, xids=[48, 13]),
+        FakeGpu(xids=[79]),
+    ]
+    telemetry = NvmlTelemetry("n1", "r1")
+    first, second = telemetry.read()
+    again = telemetry.read()
+    telemetry.close()
+    assert (first.row_remap_pending, first.row_remap_failure, first.retired_pages_pending) == (True, True, True)
+    assert (first.xids, second.xids) == ((48, 13), (79,))
+    assert [r.xids for r in again] == [(), ()], "an event is read once"
+    faults = hard_faults(None, [first, second])
+    assert [(f.gpu, f.kind) for f in faults] == [(0, "row_remap_failure"), (0, "xid"), (1, "xid")]
+    assert "Xid 48" in faults[1].detail and "Xid 13" not in faults[1].detail, "13 is the program's, not the GPU's"
 
 
 def test_several_devices_are_read_in_index_order(nvml: FakeNvml) -> None:

@@ -1,12 +1,15 @@
 """The node self-test runs its three checks for real (torch on CPU, two gloo ranks in-process) and
-names the check that a simulated hardware fault breaks."""
+names the check that a simulated hardware fault breaks; where GPU telemetry is read, NVML is a fourth."""
 
 from __future__ import annotations
 
 import pytest
 
-from stayalive.agent.selftest import CHECKS, SelfTest
+from stayalive.agent.gpu import SimulatedTelemetry
+from stayalive.agent.selftest import CHECKS, NVML_CHECK, SelfTest, nvml_health
 from stayalive.core.fleet.model import SelfTestResult
+from stayalive.core.judgement.diagnosis import GpuHealth
+from stayalive.core.run.faults import NvlinkDegraded, RowRemapFailure, TelemetryFault, XidError
 
 
 async def self_test(broken: set[str]) -> tuple[SelfTestResult, list[str]]:
@@ -54,3 +57,27 @@ async def test_the_node_is_vacated_before_its_checks_run() -> None:
     result = await SelfTest("n1", broken, vacate=vacate).run()
     assert result.passed, result.detail
     assert order == ["vacate", "checks"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        (None, "NVML: 8 GPUs, none lost, no memory, Xid or link failure"),
+        (RowRemapFailure(node="n1", gpu=2), "n1 GPU 2: a failing memory row could not be remapped"),
+        (XidError(node="n1", gpu=5, xid=95), "n1 GPU 5: Xid 95: uncontained ECC error"),
+        (NvlinkDegraded(node="n1", gpu=0), "n1 GPU 0: NVLink 16/18 links up"),
+    ],
+)
+async def test_what_the_gpus_say_of_themselves_is_a_check(fault: TelemetryFault | None, said: str) -> None:
+    """Where the agent reads GPU telemetry, NVML is a fourth check: a GPU that still shows a failure
+    keeps its node out, whatever the GEMMs say."""
+    telemetry = SimulatedTelemetry("n1", "r1", faults=lambda: [fault] if fault else [])
+    result = await SelfTest("n1", gpus=telemetry.read).run()
+    assert result.checks == dict.fromkeys(CHECKS, True) | {NVML_CHECK: fault is None}
+    assert result.passed == (fault is None) and said in result.detail
+
+
+def test_pages_waiting_for_a_reboot_fail_it() -> None:
+    reading = GpuHealth(node="n1", rack="r1", gpu=1, retired_pages_pending=True)
+    check = nvml_health([reading])
+    assert not check.passed and "n1 GPU 1: retired pages wait for a reboot" in check.detail

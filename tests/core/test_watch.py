@@ -6,8 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+from stayalive.agent.gpu import SimulatedTelemetry
 from stayalive.core.messages.events import (
     FirstStep,
+    GpuFailed,
     Hang,
     KeeperInput,
     MonitorInput,
@@ -16,11 +18,13 @@ from stayalive.core.messages.events import (
     RankFailed,
     RanksFinished,
     StorageOutage,
+    ends_generation,
 )
 from stayalive.core.monitor.watch import WITNESS_GRACE_S, GenerationWatch
 from stayalive.core.protocol.telemetry import (
     CheckpointCommitted,
     Finished,
+    GpuReport,
     Held,
     NodeSteps,
     RankExited,
@@ -28,6 +32,7 @@ from stayalive.core.protocol.telemetry import (
     StorageUnavailable,
     pack_steps,
 )
+from stayalive.core.run.faults import GpuLost, NvlinkDegraded
 from stayalive.core.run.status import Outage
 from stayalive.core.run.timeline import PagingClass
 
@@ -261,3 +266,18 @@ def test_a_batch_of_steps_read_together_makes_one_refresh() -> None:
             seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
     refreshes = [e for e in seen.steps(now=60.0) if isinstance(e, ProgressRefresh)]
     assert [r.progress.step for r in refreshes] == [60]
+
+
+def test_a_gpu_that_fails_without_slowing_is_reported_once_and_only_what_cannot_compute_ends_it() -> None:
+    seen = watch()
+    healthy = SimulatedTelemetry("b", "r1").read()
+    link_down = SimulatedTelemetry("b", "r1", faults=lambda: [NvlinkDegraded(node="b", gpu=1)]).read()
+    lost = SimulatedTelemetry("b", "r1", faults=lambda: [GpuLost(node="b", gpu=6)]).read()
+    assert seen.record("b", GpuReport(node="b", readings=healthy, at=1000.0), 1.0) is None
+    drained = seen.record("b", GpuReport(node="b", readings=link_down, at=1002.0), 3.0)
+    assert isinstance(drained, GpuFailed) and drained.node == "b" and drained.steps_on
+    assert not ends_generation(drained), "a GPU that still computes is drained at a step, not restarted"
+    assert seen.record("b", GpuReport(node="b", readings=link_down, at=1004.0), 5.0) is None, "news once"
+    ended = seen.record("b", GpuReport(node="b", readings=lost, at=1006.0), 7.0)
+    assert isinstance(ended, GpuFailed) and [f.kind for f in ended.faults] == ["gpu_lost"]
+    assert ends_generation(ended) and "b GPU 6: fell off the bus" in ended.detail()
