@@ -17,7 +17,17 @@ from stayalive.workflows.generation import Ending, Generation
 from stayalive.workflows.inbox import Inbox, Request
 
 with workflow.unsafe.imports_passed_through():
-    from stayalive.core.book.findings import Draining, Held, HoldOver, Joined, Paused, Resumed, RolledBack
+    from stayalive.core.book.findings import (
+        Draining,
+        Failed,
+        Held,
+        HoldOver,
+        Interrupted,
+        Joined,
+        Paused,
+        Resumed,
+        RolledBack,
+    )
     from stayalive.core.book.runbook import RunBook
     from stayalive.core.decisions.goodput import recent_goodput
     from stayalive.core.decisions.interval import prior_mtbf
@@ -49,7 +59,7 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         restored_from="live",
         detail=request.gpu.detail() if request.gpu else request.reason,
         actions=[f"every rank held at step {held} with a checkpoint of it"],
-        paging=None if request.gpu else PLANNED,  # a failed GPU is a failure: the book classifies it
+        paging=None if request.gpu else PLANNED,
     )
     interruption.resumed_at(held)
     if request.kind == "drain":
@@ -66,9 +76,13 @@ async def hold_and_go_on(book: RunBook, inbox: Inbox, gen: Generation, request: 
         membership = without_node(status.nodes, None, None)
         interruption.actions.append("resumed by an operator")
         note = "resumed by an operator"
-    now = workflow.now()
-    over = book.apply(HoldOver(interruption, membership, note, prior_mtbf(status), recent_goodput(status, now)))
-    request.paged = over.page
+    # A failed GPU drained is a failure: the book classifies it; a drain or a pause was asked for.
+    entry = (
+        Failed(interruption, prior_mtbf(status), recent_goodput(status, workflow.now()))
+        if request.gpu
+        else Interrupted(interruption)
+    )
+    request.paged = book.apply(HoldOver(membership, note, entry)).page
     await gen.end()
     request.outcome = f"held at step {held}; " + "; ".join(interruption.actions[1:])
     return None

@@ -58,7 +58,7 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.run.lifecycle import RunState
     from stayalive.core.run.spec import RunSpec
     from stayalive.core.run.status import CheckpointRecord, RunResult, RunStatus
-    from stayalive.core.run.timeline import Detection, Interruption
+    from stayalive.core.run.timeline import Classification, Detection, Interruption
 
 TASK_QUEUE = "stayalive"
 # Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
@@ -309,9 +309,8 @@ class RunWorkflow:
             case Request():
                 if (interrupted := await requests.hold_and_go_on(book, self.inbox, gen, ending)) is not None:
                     await self._end(gen, interrupted)
-                elif ending.paged is not None:  # the drain cordoned a failed GPU: a failure, counted and paged
-                    await self._tell_fleet(failures=1)
-                    self.pages.append(incidents.page(book, ending.paged, ending.reason))
+                elif ending.paged is not None:  # the drain cordoned a failed GPU: a failure
+                    await self._counted(ending.paged, ending.reason)
             case Reattach():
                 book.reattach()
                 await gen.end()
@@ -359,9 +358,14 @@ class RunWorkflow:
         book, now = self.book, workflow.now()
         paging = book.apply(Failed(interruption, prior_mtbf(book.status), recent_goodput(book.status, now))).page
         assert paging is not None, "a failure is recorded with its paging class"
+        await self._counted(paging, interruption.line())
+
+    async def _counted(self, paging: Classification, summary: str) -> None:
+        """A failure on the timeline: the fleet's rate learns of it, and its page is filed once the
+        next generation is launched."""
         await self._tell_fleet(failures=1)
-        workflow.logger.warning("interruption: %s", interruption.line())
-        self.pages.append(incidents.page(book, paging, interruption.line()))
+        workflow.logger.warning("interruption: %s", summary)
+        self.pages.append(incidents.page(self.book, paging, summary))
 
     async def _file_pages(self) -> None:
         pages, self.pages = self.pages, []

@@ -79,19 +79,6 @@ class Paused:
 
 
 @dataclass(frozen=True)
-class HoldOver:
-    """A drain resized the group (`membership` without the node) or a paused run was resumed: the next
-    generation keeps the survivors' processes. `interruption` is the hold's timeline entry: planned, or
-    (a failed GPU drained) a failure, classified against the run's MTBF and last hour's goodput."""
-
-    interruption: Interruption
-    membership: Membership
-    note: str
-    baseline_mtbf_s: float = 0.0
-    recent_goodput: float | None = None
-
-
-@dataclass(frozen=True)
 class Diagnosing:
     """No step within the watchdog's timeout, every rank alive: the stacks are being dumped."""
 
@@ -100,8 +87,8 @@ class Diagnosing:
 
 @dataclass(frozen=True)
 class Failed:
-    """A crash, a lost node, a hang, SDC or an unanswered launch ended the generation: recorded with
-    its paging class, judged against the run's MTBF (`baseline_mtbf_s`) and last hour's goodput."""
+    """A crash, a lost node, a hang, SDC, a failed GPU or an unanswered launch: recorded with its
+    paging class, judged against the run's MTBF (`baseline_mtbf_s`) and last hour's goodput."""
 
     interruption: Interruption
     baseline_mtbf_s: float
@@ -110,9 +97,21 @@ class Failed:
 
 @dataclass(frozen=True)
 class Interrupted:
-    """An interruption nobody pages about: every rank finished, but the final checkpoint is not valid."""
+    """An interruption recorded as it is, paged about by nobody: a drain, a pause, or every rank
+    finished but the final checkpoint is not valid."""
 
     interruption: Interruption
+
+
+@dataclass(frozen=True)
+class HoldOver:
+    """A drain resized the group (`membership` without the node) or a paused run was resumed: the next
+    generation keeps the survivors' processes. `entry` is the hold's timeline entry: planned
+    (`Interrupted`), or a failure (`Failed`: a GPU that still computed, drained)."""
+
+    membership: Membership
+    note: str
+    entry: Interrupted | Failed
 
 
 @dataclass(frozen=True)

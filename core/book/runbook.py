@@ -128,14 +128,11 @@ class RunBook:
             case Paused(reason):
                 self._held_at = None
                 self._move(S.STOPPED, f"paused: {reason}")
-            case HoldOver(interruption, membership, note, baseline_mtbf_s, recent_goodput):
+            case HoldOver(membership, note, entry):
                 self._held_at = None
-                self._move(S.RESUMING if interruption.cause == Cause.PAUSE else S.RESIZING, note)
+                self._move(S.RESUMING if entry.interruption.cause == Cause.PAUSE else S.RESIZING, note)
                 status.membership = membership  # survivors rejoin in place; newcomers start fresh
-                if interruption.paging is None:  # a failure the hold cordoned
-                    page = self._failed(interruption, baseline_mtbf_s, recent_goodput)
-                else:
-                    self._record(interruption)
+                page = self.apply(entry).page
             case Diagnosing(note):
                 self._move(S.DIAGNOSING, note)
             case Failed(interruption, baseline_mtbf_s, recent_goodput):

@@ -116,8 +116,11 @@ def every_finding() -> list[Finding]:
         Held(step=10, generation=1, judged=None, why="drain n2"),  # its checkpoint not judged yet
         Held(step=10, generation=1, judged=verdict, why="pause"),
         Paused("maintenance"),
-        HoldOver(interruption(at(), Cause.DRAIN, node="n2", step=10), Membership(nodes=["n1", "n3"]), "drained n2"),
-        HoldOver(interruption(at(), Cause.PAUSE, node=None, step=10), Membership(nodes=["n1", "n2"]), "resumed"),
+        HoldOver(Membership(nodes=["n1", "n3"]), "drained n2", Interrupted(interruption(at(), Cause.DRAIN, "n2", 10))),
+        HoldOver(Membership(nodes=["n1", "n2"]), "resumed", Interrupted(interruption(at(), Cause.PAUSE, None, 10))),
+        HoldOver(
+            Membership(nodes=["n1", "n3"]), "drained n2", Failed(interruption(at(), Cause.GPU_FAULT), 6 * 3600, None)
+        ),
         Diagnosing("no step for 60s: dumping stacks"),
         Failed(interruption(at(), step=10, generation=1), baseline_mtbf_s=6 * 3600, recent_goodput=None),
         Interrupted(interruption(at(), Cause.CHECKPOINT_INVALID, step=1000, generation=1)),
