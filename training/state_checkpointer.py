@@ -196,7 +196,8 @@ class StateCheckpointer:
         try:
             staged = staging.result()
             local.mkdir(parents=True, exist_ok=True)
-            dcp.save(staged, storage_writer=dcp.FileSystemWriter(local, sync_files=False), process_group=self.group)
+            writer = dcp.FileSystemWriter(local, sync_files=False)
+            dcp.save(staged, storage_writer=writer, planner=self._planner(), process_group=self.group)
             files = sorted(p.name for p in local.glob(f"__{self.rank}_*.distcp"))
             if self.rank == 0:
                 files.append(DCP_METADATA)
@@ -210,6 +211,15 @@ class StateCheckpointer:
             self._error = exc
             return
         self.flusher.submit(_Landing(name, step, last_verified, blocking, local, files))
+
+    def _planner(self) -> dcp.DefaultSavePlanner:
+        """DCP's planner, planning once per generation: every save of a generation holds the same tensors
+        on the same group, so after the first its ranks send DCP's coordinator no plan to unpickle and
+        check again. The cache is DCP's, class-wide and keyed by name: a generation's key keeps a new
+        group (another world size, after a drain) from reusing the last one's plans."""
+        planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = f"{self.commit.run_id}/{self.commit.generation}"  # the class name by default
+        return planner
 
     def _land(self, landing: _Landing) -> None:
         """Storage's copy of `landing`, from where its last attempt stopped. Raises OSError while storage fails."""

@@ -57,7 +57,7 @@ def main(args):
     batch_size = 32
     seq_len = 64
     model_args = ModelArgs(
-        n_layers=10,
+        n_layers=10 if torch.accelerator.is_available() else 2,  # CPU: 2 of its FSDP units
         n_heads=4,
         vocab_size=vocab_size,
         max_seq_len=seq_len,

@@ -11,7 +11,6 @@ and the last step's weights go to --out.
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Regression(args.step_ms)
     training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-loop-"),
+        output_dir=str(args.out.parent / "trainer"),  # saves nothing (save_strategy "no"); in the test's folder
         max_steps=args.steps,  # the run spec's target_step
         per_device_train_batch_size=4,
         learning_rate=1e-2,
