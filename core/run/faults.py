@@ -336,6 +336,21 @@ class NicSaturated(_TelemetryFault):
         return reading.model_copy(update={"nic_utilization": self.utilization})
 
 
+# What the simulated GPU source applies to a reading (agent/gpu.py); a node's hardware is these and a
+# broken self-test.
+TelemetryFault = (
+    ThermalThrottle
+    | HotAmbient
+    | PowerCap
+    | EccErrors
+    | NvlinkDegraded
+    | GpuLost
+    | RowRemapFailure
+    | XidError
+    | NicSaturated
+)
+HardwareFault = Annotated[Union[BrokenNode, TelemetryFault], Field(discriminator="kind")]  # noqa: UP007
+
 # Each fault kind joins this union as the detector that catches it lands.
 Fault = Annotated[
     Union[  # noqa: UP007
@@ -354,41 +369,7 @@ Fault = Annotated[
         StorageOutage,
         DiskFull,
         BrokenNode,
-        ThermalThrottle,
-        HotAmbient,
-        PowerCap,
-        EccErrors,
-        NvlinkDegraded,
-        GpuLost,
-        RowRemapFailure,
-        XidError,
-        NicSaturated,
-    ],
-    Field(discriminator="kind"),
-]
-TelemetryFault = (
-    ThermalThrottle
-    | HotAmbient
-    | PowerCap
-    | EccErrors
-    | NvlinkDegraded
-    | GpuLost
-    | RowRemapFailure
-    | XidError
-    | NicSaturated
-)
-HardwareFault = Annotated[
-    Union[  # noqa: UP007
-        BrokenNode,
-        ThermalThrottle,
-        HotAmbient,
-        PowerCap,
-        EccErrors,
-        NvlinkDegraded,
-        GpuLost,
-        RowRemapFailure,
-        XidError,
-        NicSaturated,
+        TelemetryFault,
     ],
     Field(discriminator="kind"),
 ]
