@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from stayalive.core.monitor.progress import StepBatcher
-from stayalive.core.protocol.telemetry import Held, Hello, RankExited, RankMessage, Record, StepReport
+from stayalive.core.protocol.telemetry import Held, Hello, RankExited, RankMessage, RankSteps, Record, StepReport
 
 # Records a node keeps per run for a reader that reconnects: minutes of steps at thousands of steps/s.
 RETAINED = 200_000
@@ -49,6 +49,10 @@ class RunChannel:
 
     def append(self, message: RankMessage) -> None:
         """File a message from a rank or from the agent. Step reports go out batched per node."""
+        if isinstance(message, RankSteps):  # a rank's batch: its steps one by one
+            for report in message.reports():
+                self.append(report)
+            return
         if isinstance(message, Held):
             self.holding.add(message.rank)
         elif isinstance(message, StepReport | Hello):

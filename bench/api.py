@@ -3,15 +3,20 @@
 Two measurements, each with real ranks under torchrun (2 ranks, gloo), in one run:
 
     step overhead   the tiny GPT under DDP, with the tests' 15 ms of simulated device time per step,
-                    stepped in turn, step by step, by a plain loop and by `run.steps()` (its command
-                    vote, SDC checks, counted all-reduces, and step reports sent to an agent that
-                    reads them every 0.1 s: on two cores, an agent woken by every report takes the
-                    ranks' CPU, which on a GPU node it does not). The median of what an API step
-                    took more than its plain neighbour, against the median plain step (and the same
-                    in the training thread's CPU time, a steadier figure). Bar: the API adds at most 1%.
-                    The plain step between two API steps doubles the time from one to the next, so
-                    the API's reports go every 8 steps, not 16 as at the tiny model's own step time
-                    (training/step_reports.py): the figure carries twice their share.
+                    stepped in turn, BLOCK_STEPS steps at a time, by a plain loop and by `run.steps()`
+                    (its command vote, SDC checks, counted all-reduces, and step reports sent to an
+                    agent that reads them every 0.1 s: on two cores, an agent woken by every report
+                    takes the ranks' CPU, which on a GPU node it does not). Each API block is compared
+                    with its plain neighbour, by their mean steps (the API's batched reports and its
+                    periodic SDC checks are in them); the figure is the median of those differences,
+                    against the median plain step (and the same in the training thread's CPU time, a
+                    steadier figure). Bar: the API adds at most 1%. Blocks, not single steps in turn:
+                    a plain step between two API steps doubled the time from one to the next, so the
+                    API batched its reports by 8 steps instead of the 16 of the tiny model's own step
+                    time (training/step_reports.py) and paid twice their share (+1.02% where blocks
+                    measured +0.55%, at 1,600 steps). Two identical plain loops, measured this way at
+                    1,600 steps, differed by −0.07% and +0.48%: the noise of a shared two-core host,
+                    which the full run's 3,200 steps narrow.
     checkpoint      a 2-layer 1024-wide MLP with populated AdamW state (25 MB a rank): the seconds a
                     save blocks the loop, through `run.checkpoint()` (host memory, replica, storage,
                     commit): the state dicts' making, and the next update's wait for the copy of their
@@ -50,6 +55,7 @@ from stayalive.training.gpt import GPT, PRESETS, GPTConfig
 
 RANKS = 2
 DEVICE_S = 0.015  # the tiny GPT's simulated device time in the tests (harness/tiny.py)
+BLOCK_STEPS = 16  # a report batch at the tiny model's step time
 VOCAB = 64
 
 
@@ -64,9 +70,9 @@ def _gpt_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch
 
 
 def step_overhead(steps: int) -> dict[str, float]:
-    """The median step seconds of the plain loop, and the median of what the same step through
-    `run.steps()` took more, step by step: in wall time, and in the training thread's CPU time
-    (which no wait for the other rank is in: a steadier figure of the same cost)."""
+    """The median step seconds of the plain loop, and the median of what a step through `run.steps()`
+    took more, block by block: in wall time, and in the training thread's CPU time (which no wait for
+    the other rank is in: a steadier figure of the same cost)."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -84,22 +90,21 @@ def step_overhead(steps: int) -> dict[str, float]:
             run.record(_gpt_step(supervised, supervised_optimizer))
 
     api_step()
-    timings: dict[str, list[float]] = {"plain": [], "api": []}
-    cpu: dict[str, list[float]] = {"plain": [], "api": []}  # the training thread's CPU seconds
-    # The two loops step in turn, each first every other step, and each API step is compared with its
-    # plain neighbour: two ranks on two cores drift, and the medians of whole loops (even interleaved
-    # step by step) moved up to ±1.3% between quick runs of two identical plain loops, the paired
-    # differences up to ±0.8% (full runs: −0.37%, +0.03%, −0.06%).
-    for i in range(steps):
+    blocks: dict[str, list[float]] = {"plain": [], "api": []}  # mean step seconds of each block
+    cpu: dict[str, list[float]] = {"plain": [], "api": []}  # the training thread's CPU seconds, likewise
+    # The two loops step in turn, a block each, each first every other block, and each API block is
+    # compared with its plain neighbour: two ranks on two cores drift.
+    for i in range(steps // BLOCK_STEPS):
         for name, step in [("plain", plain_step), ("api", api_step)][:: 1 if i % 2 else -1]:
             started, started_cpu = time.perf_counter(), time.thread_time()
-            step()
-            timings[name].append(time.perf_counter() - started)
-            cpu[name].append(time.thread_time() - started_cpu)
-    added = [api - plain for api, plain in zip(timings["api"], timings["plain"], strict=True)]
+            for _ in range(BLOCK_STEPS):
+                step()
+            blocks[name].append((time.perf_counter() - started) / BLOCK_STEPS)
+            cpu[name].append((time.thread_time() - started_cpu) / BLOCK_STEPS)
+    added = [api - plain for api, plain in zip(blocks["api"], blocks["plain"], strict=True)]
     added_cpu = [api - plain for api, plain in zip(cpu["api"], cpu["plain"], strict=True)]
     return {
-        "plain": statistics.median(timings["plain"]),
+        "plain": statistics.median(blocks["plain"]),
         "added": statistics.median(added),
         "added_cpu": statistics.median(added_cpu),
     }
@@ -148,7 +153,7 @@ def rank_main(phase: str, quick: bool, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if phase == "steps":
-        figures = step_overhead(steps=300 if quick else 1500)
+        figures = step_overhead(steps=320 if quick else 3200)
     else:
         figures = checkpoint_blocking(saves=4 if quick else 10, directory=out.parent / "plain")
     if dist.get_rank() == 0:

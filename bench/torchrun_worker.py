@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stayalive.core.protocol.telemetry import StepReport
+from stayalive.core.protocol.telemetry import RankSteps
 from stayalive.training import train
 from stayalive.training.checkpoint import CheckpointError, parse_checkpoint_dirname, read_dcp_manifest
 from stayalive.training.run import Run
@@ -57,10 +57,10 @@ def instrument(restart: int) -> None:
 
     def sending(self: Run, messages: list[Any]) -> None:
         nonlocal first
-        report = next((m for m in messages if isinstance(m, StepReport)), None)
-        if first and report is not None:
+        batch = next((m for m in messages if isinstance(m, RankSteps)), None)
+        if first and batch is not None:
             first = False
-            record("step", restart=restart, rank=report.rank, step=report.step, at=report.at)
+            record("step", restart=restart, rank=batch.rank, step=batch.step[0], at=batch.at[0])
         send(self, messages)
 
     Run._send = sending  # type: ignore[method-assign]

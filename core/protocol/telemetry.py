@@ -3,8 +3,9 @@ and node agent → run monitor (batches). One JSON object per line; `t` names th
 
 Per-step data lives here and never enters workflow history.
 
-One exception to JSON, for width: a rank's StepReport stops at its node agent, which folds its
-ranks' reports into one `NodeSteps` per node per step, and the hub sends those to the run monitor as
+One exception to JSON, for width: a rank's steps (RankSteps batches, taken apart into StepReports)
+stop at its node agent, which folds its ranks' reports into one `NodeSteps` per node per step, and
+the hub sends those to the run monitor as
 fixed-size binary frames (`steps_frame`, `pack_steps`): at 16,384 ranks the monitor takes 2,048
 records per step, and a JSON decode each (~3.5 µs even in pydantic_core) would be most of its
 budget; a frame is kept as its bytes, and a whole batch of them is decoded by one `np.frombuffer`
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Self, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from stayalive.core.judgement.diagnosis import GpuHealth
 
@@ -50,6 +51,47 @@ class StepReport(_Message):
     loss: float | None  # None: not finite (the step's update was skipped)
     samples: list[int]
     at: float
+
+
+class RankSteps(_Message):
+    """A batch of one rank's completed steps (training/step_reports.py), column by column: entry i of
+    each list is one step. One model and one JSON line for the batch, where a StepReport each cost
+    the rank seven times the CPU; its node agent takes the batch apart (`reports()`)."""
+
+    t: Literal["rank_steps"] = "rank_steps"
+    rank: int
+    generation: int
+    step: list[int]
+    compute_s: list[float]
+    step_s: list[float]
+    loss: list[float | None]
+    samples: list[list[int]]
+    at: list[float]
+
+    @model_validator(mode="after")
+    def _one_entry_per_step(self) -> Self:
+        columns: list[list[Any]] = [self.compute_s, self.step_s, self.loss, self.samples, self.at]
+        if any(len(column) != len(self.step) for column in columns):
+            raise ValueError(f"rank {self.rank}'s step batch has columns of unequal length")
+        return self
+
+    def reports(self) -> list[StepReport]:
+        rank, generation = self.rank, self.generation
+        return [
+            StepReport(
+                rank=rank,
+                generation=generation,
+                step=step,
+                compute_s=compute,
+                step_s=took,
+                loss=loss,
+                samples=samples,
+                at=at,
+            )
+            for step, compute, took, loss, samples, at in zip(
+                self.step, self.compute_s, self.step_s, self.loss, self.samples, self.at, strict=True
+            )
+        ]
 
 
 class NodeSteps(_Message):
@@ -196,6 +238,7 @@ RankMessage = Annotated[
         Hello,
         RankStarted,
         StepReport,
+        RankSteps,
         NodeSteps,
         CheckpointCommitted,
         StorageUnavailable,

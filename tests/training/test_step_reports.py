@@ -6,13 +6,14 @@ go at once (training/step_reports.py)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import stayalive
 from stayalive.core.monitor.progress import LAG
-from stayalive.core.protocol.telemetry import StepReport
+from stayalive.core.protocol.telemetry import RankSteps, StepReport, rank_message
 from stayalive.training import step_reports
 from stayalive.training.step_reports import StepReports
 
@@ -25,6 +26,19 @@ class Clock:
         return self.now
 
 
+def taken_apart(batches: list[list[StepReport]]) -> Callable[[list[RankSteps]], None]:
+    """Each batch sent, as its agent takes it apart (after its JSON line's round trip)."""
+
+    def send(messages: list[RankSteps]) -> None:
+        for message in messages:
+            line = message.model_dump_json()
+            received = rank_message.validate_json(line)
+            assert isinstance(received, RankSteps)
+            batches.append(received.reports())
+
+    return send
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
@@ -34,7 +48,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 def test_steps_go_a_batch_at_a_time_in_order_with_their_own_figures(clock: Clock) -> None:
     batches: list[list[StepReport]] = []
-    reports = StepReports(rank=3, generation=2, send=batches.append)
+    reports = StepReports(rank=3, generation=2, send=taken_apart(batches))
     reports.add(1, 0.010, 0.020, torch.tensor(2.5), [7, 8])
     assert [[r.step for r in b] for b in batches] == [[1]], "a generation's first step goes at once"
     every = step_reports.REPORT_EVERY_STEPS
@@ -60,7 +74,7 @@ def test_slower_steps_go_in_smaller_batches_cut_where_every_rank_cuts(
     clock: Clock, period_s: float, batch: int
 ) -> None:
     batches: list[list[StepReport]] = []
-    reports = StepReports(rank=0, generation=0, send=batches.append)
+    reports = StepReports(rank=0, generation=0, send=taken_apart(batches))
     for step in range(1, 33):
         reports.add(step, 0.01, period_s, float(step), [])
         clock.now += period_s
@@ -74,7 +88,7 @@ def test_slower_steps_go_in_smaller_batches_cut_where_every_rank_cuts(
 
 def test_the_first_step_after_a_pause_goes_at_once(clock: Clock) -> None:
     batches: list[list[StepReport]] = []
-    reports = StepReports(rank=0, generation=0, send=batches.append)
+    reports = StepReports(rank=0, generation=0, send=taken_apart(batches))
     for step in range(1, 6):
         reports.add(step, 0.01, 0.02, float(step), [])
         clock.now += 0.02
@@ -89,7 +103,7 @@ def test_no_rank_holds_back_a_step_its_agent_gives_up_on() -> None:
 
 def test_a_flush_sends_what_is_kept_and_a_non_finite_loss_goes_as_none(clock: Clock) -> None:
     batches: list[list[StepReport]] = []
-    reports = StepReports(rank=0, generation=0, send=batches.append)
+    reports = StepReports(rank=0, generation=0, send=taken_apart(batches))
     reports.add(1, 0.01, 0.02, None, [])
     reports.add(2, 0.01, 0.02, torch.tensor(math.nan), [])
     reports.add(3, 0.01, 0.02, math.inf, [])
@@ -100,10 +114,24 @@ def test_a_flush_sends_what_is_kept_and_a_non_finite_loss_goes_as_none(clock: Cl
 
 def test_a_flush_with_nothing_kept_leaves_the_next_first_step_immediate(clock: Clock) -> None:
     batches: list[list[StepReport]] = []
-    reports = StepReports(rank=0, generation=1, send=batches.append)
+    reports = StepReports(rank=0, generation=1, send=taken_apart(batches))
     reports.flush()  # as a resumed rank's report before its first step does
     reports.add(11, 0.01, 0.02, 1.0, [])
     assert [[r.step for r in b] for b in batches] == [[11]]
+
+
+def test_a_batch_whose_columns_disagree_is_refused() -> None:
+    with pytest.raises(ValueError, match="unequal length"):
+        RankSteps(
+            rank=2,
+            generation=0,
+            step=[1, 2],
+            compute_s=[0.1],
+            step_s=[0.2, 0.2],
+            loss=[1, 1],
+            samples=[[], []],
+            at=[0, 0],
+        )
 
 
 def test_record_refuses_a_loss_that_is_not_one_number() -> None:
