@@ -29,7 +29,7 @@ from stayalive.agent.gpu import GpuTelemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
 from stayalive.agent.relay import LOOPBACK, StoreRelay
-from stayalive.agent.selftest import SelfTest
+from stayalive.agent.selftest import MEMORY_SHARE, SelfTest
 from stayalive.core.decisions.fencing import PartitionReport, cut_off
 from stayalive.core.judgement.diagnosis import GpuHealth
 from stayalive.core.judgement.gpu_faults import hard_faults
@@ -116,8 +116,16 @@ def resolve_argv(argv: list[str]) -> list[str]:
 
 
 class NodeAgent:
-    def __init__(self, node: str, hub: NodeHub, state_dir: Path, forks: ForkServers | None = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        hub: NodeHub,
+        state_dir: Path,
+        forks: ForkServers | None = None,
+        memory_share: float = MEMORY_SHARE,
+    ) -> None:
         self.node = node
+        self.memory_share = memory_share  # of each GPU's free memory, under its self-test's pattern test
         self.forks = forks  # the warm process fresh ranks are forked from (agent/forkserver.py)
         self.hub = hub
         self.state_dir = state_dir
@@ -286,7 +294,8 @@ class NodeAgent:
             # A miswired address: a result from here would vouch for the wrong host.
             raise ValueError(f"self-test for {request.node} reached the agent of {self.node}")
         gpus = self.telemetry.read if self.telemetry is not None else None
-        return SelfTested(result=await SelfTest(self.node, self.broken, vacate=self.vacate, gpus=gpus).run())
+        test = SelfTest(self.node, self.broken, vacate=self.vacate, gpus=gpus, memory_share=self.memory_share)
+        return SelfTested(result=await test.run())
 
     def broken(self) -> set[str]:
         """The parts of this node's simulated hardware that compute wrong answers (its self-test sees them)."""

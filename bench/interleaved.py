@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.queues import Queue
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
@@ -48,7 +49,8 @@ def trainer_for(rank: int, port: int) -> Trainer:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_WORLD_SIZE="4"
     )
-    trainer = Trainer.from_args(parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)]))
+    args = parse_args(["--preset", "tiny", "--global-batch", "8", "--device-ms", str(DEVICE_MS)])
+    trainer = Trainer.from_args(args, torch.device("cpu"))
     store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
     return trainer

@@ -135,7 +135,7 @@ class Carrier:
 
     @classmethod
     def fitting(cls, gradients: torch.Tensor, rider: torch.Tensor) -> Carrier:
-        flat = torch.empty(gradients.numel() + rider.numel(), dtype=gradients.dtype)
+        flat = torch.empty(gradients.numel() + rider.numel(), dtype=gradients.dtype, device=gradients.device)
         reduced, summed = flat.split([gradients.numel(), rider.numel()])
         return cls(flat, reduced, summed, summed[-1])
 
@@ -159,7 +159,7 @@ def bucket_all_reduce(
         # ring all-reduce sums an element in an order that depends on its offset, and DDP buckets a
         # process's first step (a resumed one's) differently from its later ones.
         gradients.div_(world_size)
-        summed = rider.clone() if rider is not None else None
+        summed = rider.to(gradients.device, copy=True) if rider is not None else None  # the bucket's device
         tensors = [*bucket.gradients(), *([summed] if summed is not None else [])]
         return BucketAllReduce(gradients, summed, [_issue([t], target) for t in tensors])
     if carrier is not None and rider is not None:

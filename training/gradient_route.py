@@ -94,10 +94,11 @@ class GradientRoute:
         grads = [p.grad for p in params if p.grad is not None]
         self._leaving(lambda: params, lambda: grads)
         dtype = grads[0].dtype if grads else torch.float32
+        device = grads[0].device if grads else torch.device("cpu")
         rides = not self._vote_sent and dtype in EXACT_DTYPES
         rider = self._vote_rider() if rides else torch.zeros(0)
         self._vote_sent = self._vote_sent or rides
-        flat = flat_grads(params, rider.to(dtype))  # one copy, the vote at its end
+        flat = flat_grads(params, rider.to(device, dtype))  # one copy, the vote at its end
         local, summed = flat.split([flat.numel() - rider.numel(), rider.numel()])
         if self.checks is not None:
             self.checks.entering(local)
@@ -113,7 +114,7 @@ class GradientRoute:
         """`values` summed over every rank in one small all-reduce on the API's gloo group, with the
         step's vote riding (for a loop whose gradient all-reduce the API does not see: FSDP2)."""
         self.before_collectives()
-        flat = torch.cat([values.double(), self._vote_rider().double()])
+        flat = torch.cat([values.double().cpu(), self._vote_rider().double()])  # on the API's gloo group
         collectives.all_reduce(flat, Site.CONTROL, group=self.control)
         self._vote_sent = True
         self._summed = flat[values.numel() :]

@@ -52,6 +52,7 @@ from stayalive.core.judgement.hangs import Site
 from stayalive.core.protocol.telemetry import CheckpointCommitted, Finished, Held, Hello, Resumed, StorageUnavailable
 from stayalive.core.run.launch import EXIT_CHECKPOINT_UNUSABLE, EXIT_SDC
 from stayalive.training import collectives, memory, rank_process
+from stayalive.training.accelerator import init_process_group
 from stayalive.training.channel import AgentChannel
 from stayalive.training.checkpoint import CheckpointError, DcpManifest, within_root
 from stayalive.training.faults import FaultInjector
@@ -113,8 +114,7 @@ class Run:
             self.config: SupervisionConfig | None = None
             self.target_step = target_step
             return
-        if not dist.is_initialized():
-            dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+        init_process_group()  # where the loop has not: the spec's backend, on this rank's device
         rank_process.watch_from_outside()
         self.channel: AgentChannel | None = None
         if optimizer is not None:  # one hook for every generation this process joins
@@ -358,7 +358,7 @@ class Run:
         os.environ.update(env)
         self.faults.detach()
         dist.destroy_process_group()  # every group: nothing is pending, every rank stopped after the same step
-        dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+        init_process_group()
         self._join(carried=True)
 
     # -- state ---------------------------------------------------------------------------------------

@@ -61,20 +61,20 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
             words = data[: data.numel() // 4 * 4].view(torch.int32)
             total = (total * 1_000_003 + int(data[words.numel() * 4 :].sum())) % FINGERPRINT_MODULUS
             for chunk in words.split(FINGERPRINT_CHUNK):
-                summed = int((chunk.to(torch.int64) * _weights(chunk.numel())).sum())
+                summed = int((chunk.to(torch.int64) * _weights(chunk.numel(), chunk.device)).sum())
                 total = (total * 1_000_003 + summed) % FINGERPRINT_MODULUS
             group, size = [], 0
     return total
 
 
-def _weights(count: int) -> torch.Tensor:
+def _weights(count: int, device: torch.device) -> torch.Tensor:
     """1, 2, …, 65521, 1, 2, …: a word's weight by its place (never 0, so no word is ignored)."""
-    return _all_weights()[:count]
+    return _all_weights(device)[:count]
 
 
 @functools.cache
-def _all_weights() -> torch.Tensor:
-    return torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64) % 65521 + 1
+def _all_weights(device: torch.device) -> torch.Tensor:  # on the device of the words it weighs
+    return torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=device) % 65521 + 1
 
 
 def flat_grads(params: list[torch.nn.Parameter], *tail: torch.Tensor) -> torch.Tensor:
@@ -173,10 +173,11 @@ class SdcGuard:
         mean = mine.clone() if counted else torch.zeros_like(mine)
         collectives.all_reduce(mean, Site.SDC_CHECK)
         mean /= self.world_size - (left_out is not None)
-        distances = torch.zeros(self.world_size)
+        distances = torch.zeros(self.world_size, device=mine.device)  # the default group's: NCCL's on GPUs
         if counted:
             distances[self.rank] = float((mine - mean).norm() / mean.norm().clamp_min(1e-30))
         collectives.all_reduce(distances, Site.SDC_CHECK)
+        distances = distances.cpu()
         return distances if left_out is None else distances[torch.arange(self.world_size) != left_out]
 
     def cross_check(self, step: int, params: list[torch.nn.Parameter], compute_on: Callable[[int], object]) -> SdcCheck:
@@ -211,7 +212,7 @@ class SdcGuard:
         self, params: list[torch.nn.Parameter], mine: torch.Tensor, a: int, b: int, compute_on: Callable[[int], object]
     ) -> float:
         """‖g_a − g_b‖ / ‖g_a‖ for rank a's micro-batch computed on a and on b (one all-reduce)."""
-        delta = torch.zeros(mine.numel() + 1)
+        delta = torch.zeros(mine.numel() + 1, device=mine.device)
         if self.rank == a:
             delta[:-1] = mine
             delta[-1] = mine.norm()
@@ -227,10 +228,11 @@ class SdcGuard:
     def replicas_due(self, step: int) -> bool:
         return self.spec.enabled and self.world_size >= 2 and step % self.spec.self_check_every == 0
 
-    def gather(self, tensors: Iterable[torch.Tensor], blamed: int = 0) -> tuple[list[int], int]:
+    def gather(self, tensors: list[torch.Tensor], blamed: int = 0) -> tuple[list[int], int]:
         """One all-reduce (a collective: every rank calls it at a due step): every rank's fingerprint
         of `tensors`, and `blamed` summed (1 + the rank a self-check blames, 0 from everyone else)."""
-        slots = torch.zeros(self.world_size + 1, dtype=torch.int64)
+        device = tensors[0].device if tensors else torch.device("cpu")  # the default group's: NCCL's on GPUs
+        slots = torch.zeros(self.world_size + 1, dtype=torch.int64, device=device)
         slots[self.rank] = fingerprint(tensors)
         slots[-1] = blamed
         collectives.all_reduce(slots, Site.SDC_CHECK)

@@ -57,25 +57,27 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     stream: SampleStream
     device_s: float = 0.0  # simulated accelerator time per step (--device-ms)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where the model and batches go
     params: list[torch.nn.Parameter] = field(init=False)  # listed once: walking the modules costs 0.2 ms a step
 
     def __post_init__(self) -> None:
         self.params = list(self.model.parameters())
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Trainer:
+    def from_args(cls, args: argparse.Namespace, device: torch.device) -> Trainer:
         torch.set_num_threads(args.threads)
         corpus = Corpus(generate_text(args.seed))
         config = GPTConfig(vocab_size=corpus.vocab_size, **PRESETS[args.preset])
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = GPT(config)
+        model = GPT(config).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         stream = SampleStream(corpus, config.block_size, args.global_batch, args.seed)
-        return cls(model, optimizer, stream, args.device_ms / 1000)
+        return cls(model, optimizer, stream, args.device_ms / 1000, device)
 
-    def step(self, run: stayalive.Run, step: int) -> None:
+    def step(self, run: stayalive.Run, step: int) -> float:
         """One step of the loop, through the run: this rank's micro-batch, the replay the SDC checks
-        may ask for, the gradient all-reduce, the update and the step's report."""
+        may ask for, the gradient all-reduce, the update and the step's report; the mean loss of this
+        rank's samples."""
         model, optimizer, stream = self.model, self.optimizer, self.stream
         if stream.global_batch < run.world_size:
             raise SystemExit(f"--global-batch {stream.global_batch} is smaller than the world size {run.world_size}")
@@ -87,7 +89,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             positions = stream.positions(step, of_rank, run.world_size, split)
             inputs, targets = stream.batch(positions)
-            loss = model(inputs, targets).sum() / stream.global_batch
+            loss = model(inputs.to(self.device), targets.to(self.device)).sum() / stream.global_batch
             loss.backward()
             if self.device_s:  # an accelerator's time grows with the samples it computes
                 time.sleep(self.device_s * len(positions) * run.world_size / stream.global_batch)
@@ -100,11 +102,13 @@ class Trainer:
         positions = stream.positions(step, run.rank, run.world_size, split)
         share = loss.item() * stream.global_batch / len(positions)  # the mean loss of this rank's samples
         run.record(share if math.isfinite(share) else None, samples=positions)
+        return share
 
 
 def main(argv: list[str] | None = None) -> None:
-    trainer = Trainer.from_args(parse_args(argv))
-    dist.init_process_group(backend="gloo")
+    args = parse_args(argv)
+    device = stayalive.init_process_group()  # cuda:LOCAL_RANK under NCCL, else the CPU
+    trainer = Trainer.from_args(args, device)
     run = stayalive.Run(trainer.model, trainer.optimizer, rejoin_in_place=True)
     for step in run.steps():
         trainer.step(run, step)

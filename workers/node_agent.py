@@ -34,6 +34,7 @@ from stayalive.agent.forkserver import ForkServers
 from stayalive.agent.gpu import gpu_telemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
+from stayalive.agent.selftest import MEMORY_SHARE
 from stayalive.core.decisions.fencing import PARTITION_REPORT
 from stayalive.core.fleet.requests import FleetRequest, RegisterNode, fleet_id
 from stayalive.training.logs import configure_logging
@@ -117,7 +118,7 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
     forks = ForkServers(node_dir) if args.fork_server else None
     if forks is not None:
         forks.start()
-    agent = NodeAgent(args.node, hub, node_dir, forks)
+    agent = NodeAgent(args.node, hub, node_dir, forks, memory_share=args.selftest_memory_share)
     telemetry = gpu_telemetry(args.node, args.rack, faults=agent.telemetry_faults)
     client = await connect(temporal)
     log.info("node agent started", node=args.node, hub=str(hub.endpoint))
@@ -164,7 +165,20 @@ def parser() -> argparse.ArgumentParser:
         default=True,
         help="fork ranks from a warm process that has imported torch (--no-fork-server: start each cold)",
     )
+    parser.add_argument(
+        "--selftest-memory-share",
+        type=memory_share,
+        default=MEMORY_SHARE,
+        help=f"share of each GPU's free memory the self-test's pattern test covers (default {MEMORY_SHARE})",
+    )
     return parser
+
+
+def memory_share(value: str) -> float:
+    share = float(value)
+    if not 0 < share <= 0.9:
+        raise argparse.ArgumentTypeError(f"{value}: a share of free memory above 0 and at most 0.9 (e.g. 0.5)")
+    return share
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ class FleetNode(BaseModel):
 class SelfTestResult(BaseModel):
     node: str
     passed: bool
-    checks: dict[str, bool]  # "gemm", "repeatability", "collective"; empty when the test never ran
+    checks: dict[str, bool]  # by name (agent/selftest.py): "gemm", "repeatability", …; empty: it never ran
     detail: str
     at: datetime
 

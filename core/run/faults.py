@@ -202,11 +202,12 @@ class DiskFull(_StorageFault):
 
 class BrokenNode(_Fault):
     """The node's hardware is bad in a way its self-test sees: the GEMM unit returns a wrong element,
-    or its collectives a wrong value. It stays bad for the rest of the node agent's life."""
+    its memory a flipped bit (the check runs on GPU hosts), or its collectives a wrong value. It
+    stays bad for the rest of the node agent's life."""
 
     kind: Literal["broken_node"] = "broken_node"
     node: str
-    part: Literal["gemm", "collective"] = "gemm"
+    part: Literal["gemm", "memory", "collective"] = "gemm"
 
     def __str__(self) -> str:
         return f"broken {self.part} on {self.node}"

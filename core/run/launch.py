@@ -152,6 +152,11 @@ def assign_ranks(nodes: list[str], ranks_per_node: int) -> dict[str, list[int]]:
     return {node: list(range(i * ranks_per_node, (i + 1) * ranks_per_node)) for i, node in enumerate(nodes)}
 
 
+# A collective that fails or times out raises in its rank, which keeps its process (CleanUpOnly), so
+# the rank reports and exits as a rank does, instead of NCCL tearing the process down.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def supervision_env(
     spec: RunSpec,
     run_id: str,
@@ -171,6 +176,9 @@ def supervision_env(
         "STAYALIVE_FAULTS": "[" + ",".join(f.model_dump_json() for f in spec.faults) + "]",
         "STAYALIVE_SDC": spec.sdc.model_dump_json(),
     }
+    if spec.backend == "nccl":
+        env["STAYALIVE_COLLECTIVE_TIMEOUT"] = f"{spec.health.collective_timeout:g}"
+        env |= {name: value for name, value in NCCL_ENV.items() if name not in spec.env}  # the spec's own win
     interval = spec.checkpoint.interval
     if interval.kind == "steps":
         env["STAYALIVE_CHECKPOINT_EVERY_STEPS"] = str(int(interval.value or 0))

@@ -178,6 +178,9 @@ class HealthSpec(_Spec):
     # for cut off: it stops the run's ranks there and reports a partition when it can (core/decisions/fencing.py).
     # Longer than the heartbeat timeout, so the run has taken the node for lost first.
     partition_fence: Seconds = 60.0
+    # NCCL (backend nccl): a collective that has not completed in this long is aborted by NCCL's
+    # watchdog and fails in its rank (training/accelerator.py), a hang the run's monitor missed included.
+    collective_timeout: Seconds = 600.0
     # Once a rank has finished (exited cleanly, or said it reached the target), how long the others
     # have to exit. Those still running then are stopped and the run completes: a process that
     # lingers after its work (stuck in a destructor at exit) must not hold a finished run open.
@@ -287,11 +290,6 @@ class RunSpec(_Spec):
             raise ValueError(f"min_nodes {self.min_nodes} is more than the {len(self.nodes)} nodes listed: lower it")
         if self.hooks and self.target_step is None:
             raise ValueError("target_step is missing: a run with hooks trains to a target step (e.g. 1000)")
-        if self.backend == "nccl" and "stayalive.training.train" in self.entrypoint:
-            raise ValueError(
-                "backend nccl with the built-in trainer: training.train runs its GPT on CPU under gloo. Set "
-                "backend to gloo, or give an entrypoint of your own that puts its model on the GPU LOCAL_RANK names"
-            )
         if overlap := set(self.nodes) & set(self.spare_nodes):
             raise ValueError(f"{sorted(overlap)} are listed in both nodes and spare_nodes: a spare is not in the group")
         for fault in self.faults:

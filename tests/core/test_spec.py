@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from stayalive.core.run.launch import supervision_env
 from stayalive.core.run.spec import CheckpointInterval, RunSpec, parse_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,6 @@ INVALID = [
     ("the retired max_restarts", {"max_restarts": 100}, "", "set failure_limit"),
     ("a failure limit of none", {"failure_limit": {"failures": 0}}, "failure_limit.failures", None),
     ("a failure window of none", {"failure_limit": {"window": "0s"}}, "failure_limit.window", None),
-    ("nccl with the CPU trainer", {"backend": "nccl"}, "", "Set backend to gloo"),
     ("a backend torch has not", {"backend": "mpi"}, "backend", None),
     (
         "a fence shorter than a monitor handover",
@@ -77,9 +77,37 @@ def test_invalid_spec_names_the_field_and_the_fix(
         assert hint in str(caught.value)
 
 
-def test_nccl_is_accepted_for_an_entrypoint_of_ones_own() -> None:
-    raw = valid() | {"backend": "nccl", "entrypoint": ["python", "my_train.py"]}
+@pytest.mark.parametrize("entrypoint", [None, ["python", "my_train.py"]], ids=["built-in trainer", "one's own"])
+def test_nccl_is_accepted_for_any_trainer(entrypoint: list[str] | None) -> None:
+    """Both put the model on the GPU LOCAL_RANK names (training/accelerator.py)."""
+    raw = valid() | {"backend": "nccl"} | ({"entrypoint": entrypoint} if entrypoint else {})
     assert RunSpec.model_validate(raw).backend == "nccl"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({}, {}),
+        ({"backend": "nccl"}, {"STAYALIVE_COLLECTIVE_TIMEOUT": "600", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}),
+        (
+            {
+                "backend": "nccl",
+                "health": {"collective_timeout": "90s"},
+                "env": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
+            },
+            {"STAYALIVE_COLLECTIVE_TIMEOUT": "90"},
+        ),
+    ],
+    ids=["gloo", "nccl", "nccl, the spec's own error handling"],
+)
+def test_an_nccl_generation_gets_its_timeout_and_error_handling(
+    change: dict[str, object], expected: dict[str, str]
+) -> None:
+    """A collective that fails raises in its rank, which keeps its process; the spec's own setting wins."""
+    spec = RunSpec.model_validate(valid() | change)
+    env = spec.env | supervision_env(spec, "r/1", "/ckpt", 0, None, None)
+    nccl = {k: v for k, v in env.items() if k in ("STAYALIVE_COLLECTIVE_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    assert nccl == expected | ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"} if "env" in change else {})
 
 
 def test_hooks_off_needs_no_target_but_allows_no_faults() -> None:

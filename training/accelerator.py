@@ -1,0 +1,44 @@
+"""Where a rank computes, and the default process group it joins: the run spec's backend as its launch
+set it (STAYALIVE_BACKEND), with what NCCL needs on a GPU host.
+
+Under NCCL each rank takes the GPU its LOCAL_RANK names (set as the current device, and bound to the
+group, which forms its communicator at once rather than at the first collective), with the spec's
+`health.collective_timeout`: NCCL's watchdog aborts a collective that has not completed by then,
+and with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (set by the launch, core/run/launch.py) the rank's thread
+gets an error instead of the process being torn down. Under gloo a rank computes on the CPU and the
+group keeps torch's own timeout. The API's own groups (its command vote, DCP's planning) are gloo
+groups either way (training/run.py).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 600.0  # the spec's default (core/run/spec.py HealthSpec.collective_timeout)
+
+
+def rank_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK under NCCL (made the current device), else the CPU."""
+    if os.environ.get("STAYALIVE_BACKEND", "gloo") != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group() -> torch.device:
+    """Join the generation's default group on the spec's backend (once per process); this rank's device,
+    where the loop puts its model and its batches."""
+    device = rank_device()
+    if dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        timeout = timedelta(seconds=float(os.environ.get("STAYALIVE_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
+    return device
