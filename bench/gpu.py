@@ -13,11 +13,18 @@ command, and what runs of it on a machine without one.
                 against `torch.save` and DCP's `async_save` of the same state in the same run;
                 medians of the saves after the first. One rank, under torchrun, reporting to an
                 agent that reads and drops its lines.
+    nccl_hang_aborted
+                (two GPUs or more) two NCCL ranks, one of them never entering an all-reduce: the
+                seconds from the agent's SIGTERM to the blocked rank's exit, its communicators
+                aborted first.
+    nccl_two_ranks
+                (two GPUs or more) the built-in trainer's step on two NCCL ranks, one GPU each: its
+                devices, its losses, and whether the replicas agree after the all-reduce.
 
-Not in it yet, and said so in the JSON: a rank killed and resumed from host memory on CUDA, an NCCL
-collective hang aborted (not built), a 2-rank NCCL run (the accelerator's test runs one on two GPUs).
-Bar: the self-test passed, every reading came back, and a checkpoint through the API blocked for
-less than `async_save`.
+Not in it yet, and said so in the JSON: a rank killed and resumed from host memory on CUDA (it needs
+a Temporal server and node agents). Bar: the self-test passed, every reading came back, a checkpoint
+through the API blocked for less than `async_save`, and where two GPUs ran them, the hung rank
+aborted and left within 10 s and the two ranks' replicas agreed.
 
     python -m bench.gpu [--quick]
 """
@@ -28,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,11 +57,19 @@ from stayalive.agent.selftest import SelfTest
 from stayalive.training.train import Trainer, parse_args
 
 AGENT_EVERY_S = 0.5  # the node agent's GPU watch (agent/node.py sample_gpus)
-NOT_BUILT = {
+NOT_IN_IT = {
     "rank_killed_resumed_from_host_memory": "not in this check yet: it needs a Temporal server and node agents",
-    "nccl_hang_aborted": "not built yet: the hang path does not abort an NCCL communicator",
-    "nccl_two_ranks": "not in this check yet: tests/training/test_accelerator.py runs 2 NCCL ranks on two GPUs",
 }
+# Rank 0 blocks in an NCCL all-reduce that rank 1 never enters, as a hung rank's peers do.
+HUNG_RANK = """
+import time, torch, torch.distributed as dist
+import stayalive
+device = stayalive.init_process_group()
+if dist.get_rank() == 1:
+    time.sleep(120)
+print("blocked", flush=True)
+dist.all_reduce(torch.ones(1, device=device))
+"""
 
 
 def nvml(reads: int) -> dict[str, Any]:
@@ -145,10 +161,58 @@ def _bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def rank_main(quick: bool, out: Path) -> None:
-    figures = checkpoint_blocking(saves=3 if quick else 8, steps=5 if quick else 20, directory=out.parent / "plain")
+    figures = checkpoint_blocking(saves=5 if quick else 10, steps=5 if quick else 20, directory=out.parent / "plain")
     out.write_text(json.dumps(figures))
     dist.destroy_process_group()
     os._exit(0)  # the checkpoint writer's groups need no teardown: everything is on disk
+
+
+def hang_aborted(port: int) -> dict[str, Any]:
+    """Two NCCL ranks, one hung: the seconds from the agent's SIGTERM to the blocked rank's exit (its
+    communicators aborted first, training/rank_process.py)."""
+    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", HUNG_RANK],
+            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "STAYALIVE_BACKEND": "nccl"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    blocked = ranks[0]
+    try:
+        assert blocked.stdout is not None
+        if blocked.stdout.readline().strip() != "blocked":
+            return {"passed": False, "detail": blocked.stdout.read()[-2000:]}
+        time.sleep(2.0)  # inside the all-reduce, its kernel spinning
+        started = time.perf_counter()
+        blocked.send_signal(signal.SIGTERM)
+        code = blocked.wait(timeout=120)
+        seconds = time.perf_counter() - started
+        aborted = "aborting this rank's communicators" in blocked.stdout.read()
+        return {"passed": aborted and code == 128 + signal.SIGTERM, "seconds_to_exit": round(seconds, 3), "exit": code}
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
+def two_nccl_ranks(work: Path) -> dict[str, Any]:
+    """The built-in trainer's step on two NCCL ranks, one GPU each (harness/device_loop.py): where each
+    rank computed, its losses, and whether the replicas agree after the all-reduce."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAYALIVE_")} | {"STAYALIVE_BACKEND": "nccl"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "harness/device_loop.py"]
+    started = time.perf_counter()
+    subprocess.run([*argv, "--out", str(work)], env=env, check=True, timeout=300)
+    ranks = [json.loads((work / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    return {
+        "passed": len({r["weights"] for r in ranks}) == 1 and all(r["losses"][-1] < r["losses"][0] for r in ranks),
+        "devices": [r["device"] for r in ranks],
+        "losses": [r["losses"] for r in ranks],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
 def launch_checkpoint(quick: bool, work: Path) -> dict[str, Any]:
@@ -186,11 +250,28 @@ def main() -> None:
         f"checkpoint of {checkpoint['state_mb']} MB on {checkpoint['device']}: API {checkpoint['api_ms']} ms, "
         f"torch.save {checkpoint['torch_save_ms']} ms, dcp.async_save {checkpoint['dcp_async_save_ms']} ms"
     )
+    skipped = dict(NOT_IN_IT)
+    hang: dict[str, Any] | None = None
+    two: dict[str, Any] | None = None
+    if gpus >= 2:
+        hang = hang_aborted(port=29517)
+        print(f"an NCCL hang: the blocked rank exited {hang.get('seconds_to_exit')} s after SIGTERM")
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-") as work:
+            two = two_nccl_ranks(Path(work))
+        print(f"two NCCL ranks on {two['devices']}: replicas {'agree' if two['passed'] else 'DIFFER'}")
+    else:
+        why = f"{gpus} GPUs: two NCCL ranks need two"
+        skipped |= {"nccl_hang_aborted": why, "nccl_two_ranks": why}
     every_gpu_read = readings["source"] != "nvml" or readings["gpus_read"] == gpus
-    bar = test["passed"] and every_gpu_read and checkpoint["api_ms"] < checkpoint["dcp_async_save_ms"]
-    skipped = dict(NOT_BUILT)
-    if gpus < 2:
-        skipped["nccl_two_ranks"] = f"{gpus} GPUs: a 2-rank NCCL run needs two"
+    hang_ended = hang is None or (hang["passed"] and hang["seconds_to_exit"] < 10)
+    two_agree = two is None or two["passed"]
+    bar = (
+        test["passed"]
+        and every_gpu_read
+        and hang_ended
+        and two_agree
+        and checkpoint["api_ms"] < checkpoint["dcp_async_save_ms"]
+    )
     figures = {
         "bench": "gpu",
         "gpus": gpus,
@@ -199,6 +280,8 @@ def main() -> None:
         "nvml": readings,
         "self_test": test,
         "checkpoint": checkpoint,
+        **({"nccl_hang_aborted": hang} if hang is not None else {}),
+        **({"nccl_two_ranks": two} if two is not None else {}),
         "skipped": skipped,
         "bar": bool(bar),
     }

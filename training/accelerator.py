@@ -5,9 +5,10 @@ Under NCCL each rank takes the GPU its LOCAL_RANK names (set as the current devi
 group, which forms its communicator at once rather than at the first collective), with the spec's
 `health.collective_timeout`: NCCL's watchdog aborts a collective that has not completed by then,
 and with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (set by the launch, core/run/launch.py) the rank's thread
-gets an error instead of the process being torn down. Under gloo a rank computes on the CPU and the
-group keeps torch's own timeout. The API's own groups (its command vote, DCP's planning) are gloo
-groups either way (training/run.py).
+gets an error instead of the process being torn down; when the node agent stops the rank (a hang, a
+release), its communicators are aborted first (training/rank_process.py). Under gloo a rank computes
+on the CPU and the group keeps torch's own timeout. The API's own groups (its command vote, DCP's
+planning) are gloo groups either way (training/run.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stayalive.training import rank_process
 
 COLLECTIVE_TIMEOUT_S = 600.0  # the spec's default (core/run/spec.py HealthSpec.collective_timeout)
 
@@ -39,6 +42,7 @@ def init_process_group() -> torch.device:
     if device.type == "cuda":
         timeout = timedelta(seconds=float(os.environ.get("STAYALIVE_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+        rank_process.abort_on_terminate()
     else:
         dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
     return device

@@ -139,13 +139,14 @@ def main() -> None:
     weights = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in model.state_dict().items()}
     if rank == 0:
         torch.save({k.removeprefix("module."): v.detach().clone() for k, v in weights.items()}, args.out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # Everything is on disk and the group is destroyed: leave without the interpreter's teardown, in
-    # which torch 2.13's gloo now and then aborts ("terminate called without an active exception")
-    # after an FSDP2 run, which torchrun would report as a failed rank.
+    # Everything is on disk: leave without destroying the group or the interpreter's teardown. With
+    # the DDP model still alive, torch 2.13's gloo now and then deadlocks in ~ProcessGroupGloo (a
+    # plain run hung there once after writing its weights), and in the teardown it now and then
+    # aborts ("terminate called without an active exception") after an FSDP2 run, which torchrun
+    # would report as a failed rank.
     sys.stdout.flush()
     os._exit(0)

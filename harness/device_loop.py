@@ -1,6 +1,6 @@
 """The built-in trainer's step on the device `stayalive.init_process_group()` names, for the accelerator's
-tests: `torchrun --nproc-per-node N tests/training/device_loop.py --out DIR` (STAYALIVE_BACKEND picks
-gloo or nccl). Outside a run, `Run` only counts the steps; the gradient all-reduce is the loop's own on
+test and bench.gpu: `torchrun --nproc-per-node N harness/device_loop.py --out DIR` (STAYALIVE_BACKEND
+picks gloo or nccl). Outside a run, `Run` only counts the steps; the gradient all-reduce is the loop's own on
 the default group. Each rank writes its device, its losses and a digest of its final weights."""
 
 import argparse
