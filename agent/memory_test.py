@@ -35,9 +35,8 @@ def memory_pattern(device: torch.device, size: int, corrupt: bool = False) -> Me
     index pattern's reference). `corrupt`: one bit of one word reads back flipped, as a stuck cell would."""
     reference = min(CHUNK_BYTES, size // 2)  # left free for the index pattern's reference, a chunk at a time
     words, chunk = max(1, (size - reference) // 8), CHUNK_BYTES // 8
-    chunks = [
-        torch.empty(min(chunk, words - first), dtype=torch.int64, device=device) for first in range(0, words, chunk)
-    ]
+    firsts = range(0, words, chunk)  # each chunk's first word
+    chunks = [torch.empty(min(chunk, words - first), dtype=torch.int64, device=device) for first in firsts]
     wrong = 0
     for number, pattern in enumerate(PATTERNS):
         for tensor in chunks:
@@ -45,14 +44,10 @@ def memory_pattern(device: torch.device, size: int, corrupt: bool = False) -> Me
         if corrupt and number == 0:
             chunks[-1][-1:].bitwise_xor_(1 << 17)
         wrong += sum(int(tensor.ne(pattern).sum()) for tensor in chunks)
-    start = 0
-    for tensor in chunks:
-        torch.arange(start, start + tensor.numel(), out=tensor)
-        start += tensor.numel()
-    start = 0
-    for tensor in chunks:
-        wrong += int(tensor.ne(torch.arange(start, start + tensor.numel(), device=device)).sum())
-        start += tensor.numel()
+    for first, tensor in zip(firsts, chunks, strict=True):
+        torch.arange(first, first + tensor.numel(), out=tensor)
+    for first, tensor in zip(firsts, chunks, strict=True):
+        wrong += int(tensor.ne(torch.arange(first, first + tensor.numel(), device=device)).sum())
     tested = words * 8
     amount = f"{tested / (1 << 30):.2f} GiB" if tested >= 1 << 30 else f"{tested / (1 << 20):.1f} MiB"
     where = f"{len(PATTERNS) + 1} patterns over {amount} of {device}"

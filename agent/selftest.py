@@ -192,10 +192,7 @@ async def collective(devices: list[torch.device], corrupt: bool, timeout: timede
     backend = "nccl" if nccl else "gloo"
     store = dist.PrefixStore(f"selftest-{uuid.uuid4().hex}", dist.HashStore())
     results = await asyncio.gather(
-        *(
-            asyncio.to_thread(_all_reduce_rank, store, rank, placed, nccl, timeout)
-            for rank, _device in enumerate(placed)
-        ),
+        *(asyncio.to_thread(_all_reduce_rank, store, rank, placed, nccl, timeout) for rank in range(len(placed))),
         return_exceptions=True,
     )
     failures = [f"rank {rank}: {r}" for rank, r in enumerate(results) if isinstance(r, BaseException)]

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import stayalive
 from bench.supervision import serve_sink
+from harness.hung_rank import stop_blocked_rank
 from stayalive.agent.gpu import NvmlTelemetry, SimulatedTelemetry, gpu_telemetry
 from stayalive.agent.selftest import SelfTest
 from stayalive.training.train import Trainer, parse_args
@@ -60,16 +61,6 @@ AGENT_EVERY_S = 0.5  # the node agent's GPU watch (agent/node.py sample_gpus)
 NOT_IN_IT = {
     "rank_killed_resumed_from_host_memory": "not in this check yet: it needs a Temporal server and node agents",
 }
-# Rank 0 blocks in an NCCL all-reduce that rank 1 never enters, as a hung rank's peers do.
-HUNG_RANK = """
-import time, torch, torch.distributed as dist
-import stayalive
-device = stayalive.init_process_group()
-if dist.get_rank() == 1:
-    time.sleep(120)
-print("blocked", flush=True)
-dist.all_reduce(torch.ones(1, device=device))
-"""
 
 
 def nvml(reads: int) -> dict[str, Any]:
@@ -170,33 +161,11 @@ def rank_main(quick: bool, out: Path) -> None:
 def hang_aborted(port: int) -> dict[str, Any]:
     """Two NCCL ranks, one hung: the seconds from the agent's SIGTERM to the blocked rank's exit (its
     communicators aborted first, training/rank_process.py)."""
-    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", HUNG_RANK],
-            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "STAYALIVE_BACKEND": "nccl"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    blocked = ranks[0]
-    try:
-        assert blocked.stdout is not None
-        if blocked.stdout.readline().strip() != "blocked":
-            return {"passed": False, "detail": blocked.stdout.read()[-2000:]}
-        time.sleep(2.0)  # inside the all-reduce, its kernel spinning
-        started = time.perf_counter()
-        blocked.send_signal(signal.SIGTERM)
-        code = blocked.wait(timeout=120)
-        seconds = time.perf_counter() - started
-        aborted = "aborting this rank's communicators" in blocked.stdout.read()
-        return {"passed": aborted and code == 128 + signal.SIGTERM, "seconds_to_exit": round(seconds, 3), "exit": code}
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
+    stopped = stop_blocked_rank("nccl", port, settle_s=2.0)  # its kernel spinning by then
+    if not stopped.blocked:
+        return {"passed": False, "detail": stopped.output}
+    passed = stopped.aborted and stopped.exit_code == 128 + signal.SIGTERM
+    return {"passed": passed, "seconds_to_exit": round(stopped.seconds, 3), "exit": stopped.exit_code}
 
 
 def two_nccl_ranks(work: Path) -> dict[str, Any]:

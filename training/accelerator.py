@@ -19,30 +19,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stayalive.core.run.spec import HealthSpec
 from stayalive.training import rank_process
 
-COLLECTIVE_TIMEOUT_S = 600.0  # the spec's default (core/run/spec.py HealthSpec.collective_timeout)
-
-
-def rank_device() -> torch.device:
-    """This rank's device: cuda:LOCAL_RANK under NCCL (made the current device), else the CPU."""
-    if os.environ.get("STAYALIVE_BACKEND", "gloo") != "nccl":
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    return device
+COLLECTIVE_TIMEOUT_S = HealthSpec().collective_timeout  # outside a run, whose launch sets the spec's
 
 
 def init_process_group() -> torch.device:
     """Join the generation's default group on the spec's backend (once per process); this rank's device,
-    where the loop puts its model and its batches."""
-    device = rank_device()
-    if dist.is_initialized():
-        return device
-    if device.type == "cuda":
+    where the loop puts its model and its batches: cuda:LOCAL_RANK under NCCL (made the current
+    device), else the CPU."""
+    backend = os.environ.get("STAYALIVE_BACKEND", "gloo")
+    if backend != "nccl":
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
         timeout = timedelta(seconds=float(os.environ.get("STAYALIVE_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
         rank_process.abort_on_terminate()
-    else:
-        dist.init_process_group(backend=os.environ.get("STAYALIVE_BACKEND", "gloo"))
     return device

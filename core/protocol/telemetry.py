@@ -5,14 +5,13 @@ Per-step data lives here and never enters workflow history.
 
 One exception to JSON, for width: a rank's steps (RankSteps batches, taken apart into StepReports)
 stop at its node agent, which folds its ranks' reports into one `NodeSteps` per node per step, and
-the hub sends those to the run monitor as
-fixed-size binary frames (`steps_frame`, `pack_steps`): at 16,384 ranks the monitor takes 2,048
-records per step, and a JSON decode each (~3.5 µs even in pydantic_core) would be most of its
-budget; a frame is kept as its bytes, and a whole batch of them is decoded by one `np.frombuffer`
-(core.monitor.progress.StepIngest). On a subscription stream a frame follows one 0x00 byte (`FRAME_MARK`)
-and is `steps_frame(R).itemsize` bytes long, R the run's ranks per node; every other record is a
-JSON line, which starts with '{'. A frame's `seq` is its record number, which the monitor's cursor
-acknowledges as it does a JSON record's.
+the hub sends those to the run monitor as fixed-size binary frames (`steps_frame`, `pack_steps`): at
+16,384 ranks the monitor takes 2,048 records per step, and a JSON decode each (~3.5 µs even in
+pydantic_core) would be most of its budget; a frame is kept as its bytes, and a whole batch of them
+is decoded by one `np.frombuffer` (core.monitor.progress.StepIngest). On a subscription stream a
+frame follows one 0x00 byte (`FRAME_MARK`) and is `steps_frame(R).itemsize` bytes long, R the run's
+ranks per node; every other record is a JSON line, which starts with '{'. A frame's `seq` is its
+record number, which the monitor's cursor acknowledges as it does a JSON record's.
 """
 
 from __future__ import annotations

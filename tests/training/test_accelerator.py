@@ -11,12 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from harness.hung_rank import stop_blocked_rank
 from tests.helpers import ROOT
 
 LOOP = "harness/device_loop.py"
@@ -50,44 +50,11 @@ def test_each_rank_steps_on_its_own_device(backend: str, tmp_path: Path) -> None
         assert len(rank["losses"]) == 6 and rank["losses"][-1] < rank["losses"][0]
 
 
-# Rank 0 blocks in an all-reduce that rank 1 never enters, as a hung rank's peers do.
-BLOCKED = """
-import os, sys, time, torch, torch.distributed as dist
-from stayalive.training import rank_process
-dist.init_process_group("gloo")
-if dist.get_rank() == 1:
-    time.sleep(60)
-rank_process.abort_on_terminate()
-print("blocked", flush=True)
-dist.all_reduce(torch.ones(1))
-"""
-
-
 def test_a_rank_stopped_in_a_collective_aborts_its_communicators_first(unused_tcp_port: int) -> None:
     """The agent's SIGTERM reaches a rank whose main thread is blocked in a collective (no Python
     handler runs there): its communicators are aborted at once, then it exits as SIGTERM's (143)."""
-    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(unused_tcp_port), "WORLD_SIZE": "2"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", BLOCKED],
-            env=env | {"RANK": str(rank)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    blocked = ranks[0]
-    try:
-        assert blocked.stdout is not None and blocked.stdout.readline().strip() == "blocked"
-        time.sleep(0.5)  # inside the all-reduce
-        started = time.monotonic()
-        blocked.send_signal(signal.SIGTERM)
-        assert blocked.wait(timeout=20) == 128 + signal.SIGTERM
-        assert time.monotonic() - started < 10
-        assert "aborting this rank's communicators" in blocked.stdout.read()
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
+    stopped = stop_blocked_rank("gloo", unused_tcp_port, settle_s=0.5)
+    assert stopped.blocked, stopped.output
+    assert stopped.exit_code == 128 + signal.SIGTERM
+    assert stopped.seconds < 10
+    assert stopped.aborted
