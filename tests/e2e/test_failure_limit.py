@@ -47,7 +47,9 @@ def running_in(generation: int) -> Callable[[RunStatus], bool]:
 
 
 async def test_a_hundred_pauses_never_count_against_the_limit(client: Client, checkpoint_root: Path) -> None:
-    spec = tiny_spec(checkpoint_root, target_step=1_000_000, failure_limit=ONE_PER_HOUR)
+    # One rank on each of two nodes: every pause stops and every resume relaunches them, and half the
+    # ranks take the same round trips at half the host's time (a hundred of them are most of the test).
+    spec = tiny_spec(checkpoint_root, target_step=1_000_000, failure_limit=ONE_PER_HOUR, world_size=2, ranks_per_node=1)
     handle = await start(client, spec, "hundred-pauses")
     await wait_until(handle, lambda s: s.state == RunState.RUNNING)
     for generation in range(1, PAUSES + 1):

@@ -27,6 +27,8 @@ from tests.helpers import Webhook, holding_the_host, start
 # the baseline the hot aisle is judged by is the one the healthy run taught, not the step time an
 # earlier test of the same job happened to measure on a differently loaded host.
 HEALTHY_JOB_ENV = {"STAYALIVE_TEST_JOB": "healthy-baseline"}
+# Both runs have one rank a node, a core each: held alone, the host runs nothing else meanwhile, so
+# the 2,000 steps take little more than their simulated device time.
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,9 @@ async def healthy_run(
 ) -> AsyncIterator[RunSpec]:
     """2,000 healthy steps: nothing may be flagged (no straggler, slowdown, skipped update or failed
     SDC check), and the fleet learns this configuration's step time."""
-    spec = detection_spec(tmp_path_factory.mktemp("healthy"), target_step=2000, env=HEALTHY_JOB_ENV)
+    spec = detection_spec(
+        tmp_path_factory.mktemp("healthy"), target_step=2000, env=HEALTHY_JOB_ENV, world_size=2, ranks_per_node=1
+    )
     with holding_the_host(host_lock, alone=True):
         handle = await start(client, spec, "healthy")
         result = await handle.result()
@@ -64,7 +68,13 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
         {"kind": "thermal", "rack": "rack-a"},  # the aisle of n1 and n2 runs hot
     ]
     spec = detection_spec(
-        checkpoint_root, target_step=400, faults=faults, paging={"webhook": webhook.url}, env=HEALTHY_JOB_ENV
+        checkpoint_root,
+        target_step=400,
+        faults=faults,
+        paging={"webhook": webhook.url},
+        env=HEALTHY_JOB_ENV,
+        world_size=2,
+        ranks_per_node=1,
     )
     assert spec.config_digest == healthy_run.config_digest
     handle = await start(client, spec, "hot-aisle")
