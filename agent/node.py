@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import structlog
@@ -134,6 +135,8 @@ class NodeAgent:
         self.relays: dict[str, StoreRelay] = {}  # run → where this node's ranks reach its generation's store
         self.hardware: list[HardwareFault] = []  # simulated hardware (fault plans): self-test and GPU telemetry
         self.telemetry: GpuTelemetry | None = None  # this host's GPUs: sampled for its runs, read by its self-test
+        # The newest reading of its GPUs' corrected ECC errors, summed: workers/node_agent.py tells the fleet.
+        self.corrected_errors: tuple[datetime, int] | None = None
         self._starting = asyncio.Lock()  # one launch at a time: a retried one must find the first's ranks
         self.fence_after: dict[str, float] = {}  # run → how long unread before this node fences itself out
         self.partitions: list[PartitionReport] = []  # fenced out, not reported yet (workers/node_agent.py)
@@ -314,6 +317,8 @@ class NodeAgent:
         while True:
             readings = await asyncio.to_thread(telemetry.read)
             failed, last = hard_faults(last, readings), readings
+            if counts := [h.ecc_corrected for h in readings if h.ecc_corrected is not None]:
+                self.corrected_errors = (datetime.now(UTC), sum(counts))
             if failed or time.monotonic() - reported_at >= report_every:
                 reported_at = time.monotonic()
                 for run_id, processes in self.ranks.items():

@@ -21,10 +21,14 @@ command, and what runs of it on a machine without one.
                 (two GPUs or more) the built-in trainer's step on two NCCL ranks, one GPU each: its
                 devices, its losses, and whether the replicas agree after the all-reduce.
 
-Not in it yet, and said so in the JSON: a rank killed and resumed from host memory on CUDA (it needs
-a Temporal server and node agents). Bar: the self-test passed, every reading came back, a checkpoint
-through the API blocked for less than `async_save`, and where two GPUs ran them, the hung rank
-aborted and left within 10 s and the two ranks' replicas agreed.
+    rank_killed (not on one GPU) the built-in trainer under a headless dev stack (Temporal dev server,
+                supervisor, node agents n1, n2 and the spare n3), one rank a node, NCCL on a GPU
+                each (gloo on the CPU), n2's rank killed at step 35: the run's end, and where the
+                restarted ranks resumed from (the host-memory tier), at which step, how fast.
+
+Bar: the self-test passed, every reading came back, a checkpoint through the API blocked for less
+than `async_save`, the killed run completed from host memory, and where two GPUs ran them, the hung
+rank aborted and left within 10 s and the two ranks' replicas agreed.
 
     python -m bench.gpu [--quick]
 """
@@ -51,16 +55,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import stayalive
+from bench.recovery import fleet_idle
 from bench.supervision import serve_sink
 from harness.hung_rank import stop_blocked_rank
 from stayalive.agent.gpu import NvmlTelemetry, SimulatedTelemetry, gpu_telemetry
 from stayalive.agent.selftest import SelfTest
+from stayalive.core.run.lifecycle import RunState
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.status import RunResult
 from stayalive.training.train import Trainer, parse_args
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 
 AGENT_EVERY_S = 0.5  # the node agent's GPU watch (agent/node.py sample_gpus)
-NOT_IN_IT = {
-    "rank_killed_resumed_from_host_memory": "not in this check yet: it needs a Temporal server and node agents",
-}
+KILLED_AT_STEP, KILLED_RUN_STEPS = 35, 60  # the killed rank's step: after checkpoints at 10, 20 and 30
 
 
 def nvml(reads: int) -> dict[str, Any]:
@@ -184,6 +193,60 @@ def two_nccl_ranks(work: Path) -> dict[str, Any]:
     }
 
 
+def rank_killed(work: Path, gpus: int) -> dict[str, Any]:
+    """The built-in trainer under a headless dev stack (Temporal dev server, supervisor, node agents n1,
+    n2 and the spare n3), one rank a node, n2's killed mid-run: where the restarted ranks resumed from
+    (n2's shard has its replica on n1) and how long the restart took. NCCL on CUDA, n1 on GPU 0, n2
+    and then n3 on GPU 1; gloo on the CPU without one."""
+    spec = RunSpec.model_validate(
+        {
+            "name": "bench-gpu-killed",
+            "world_size": 2,
+            "ranks_per_node": 1,
+            "nodes": ["n1", "n2"],
+            "spare_nodes": ["n3"],
+            "min_nodes": 2,
+            "backend": "nccl" if gpus else "gloo",
+            "entrypoint": ["python", "-m", "stayalive.training.train", "--preset", "tiny", "--global-batch", "8"],
+            "target_step": KILLED_RUN_STEPS,
+            "checkpoint": {"root": str(work / "checkpoints"), "interval": "10 steps"},
+            "faults": [{"kind": "crash", "rank": 1, "at_step": KILLED_AT_STEP}],
+        }
+    )
+    stack = DevStack(
+        state_dir=work / "stack",
+        nodes=["n1", "n2", "n3"],
+        spares=["n3"],
+        port=free_port(),
+        ui_port=None,
+        gpus={"n1": "0", "n2": "1", "n3": "1"} if gpus else {},
+    )
+    stack.start()
+    try:
+        result = asyncio.run(_run_to_the_end(stack, spec))
+    finally:
+        stack.stop()
+    crash = result.interruptions[0] if result.interruptions else None
+    resumed = crash.restored_from if crash is not None else None
+    return {
+        "passed": result.state == RunState.COMPLETED and resumed == "memory" and len(result.interruptions) == 1,
+        "backend": spec.backend,
+        "state": result.state.value,
+        "final_step": result.final_step,
+        "restored_from": resumed,
+        "resumed_at_step": crash.resumed_from if crash is not None else None,
+        "restart_s": round(crash.restart_seconds, 2) if crash is not None and crash.restart_seconds else None,
+    }
+
+
+async def _run_to_the_end(stack: DevStack, spec: RunSpec) -> RunResult:
+    await stack.ready()
+    client = await connect(plain(stack.address))
+    await fleet_idle(client, stack.nodes)
+    handle = await client.start_workflow(RunWorkflow.run, spec, id=spec.name, task_queue=TASK_QUEUE)
+    return await asyncio.wait_for(handle.result(), timeout=300)
+
+
 def launch_checkpoint(quick: bool, work: Path) -> dict[str, Any]:
     out = work / "figures.json"
     env = os.environ | {
@@ -219,7 +282,17 @@ def main() -> None:
         f"checkpoint of {checkpoint['state_mb']} MB on {checkpoint['device']}: API {checkpoint['api_ms']} ms, "
         f"torch.save {checkpoint['torch_save_ms']} ms, dcp.async_save {checkpoint['dcp_async_save_ms']} ms"
     )
-    skipped = dict(NOT_IN_IT)
+    skipped: dict[str, str] = {}
+    killed: dict[str, Any] | None = None
+    if gpus == 1:
+        skipped["rank_killed"] = "1 GPU: the killed rank's replica sits on another node, a GPU of its own"
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-") as work:
+            killed = rank_killed(Path(work), gpus)
+        print(
+            f"two {killed['backend']} ranks, n2's killed at step {KILLED_AT_STEP}: {killed['state']}, resumed "
+            f"from {killed['restored_from']} at step {killed['resumed_at_step']} in {killed['restart_s']} s"
+        )
     hang: dict[str, Any] | None = None
     two: dict[str, Any] | None = None
     if gpus >= 2:
@@ -239,6 +312,7 @@ def main() -> None:
         and every_gpu_read
         and hang_ended
         and two_agree
+        and (killed is None or killed["passed"])
         and checkpoint["api_ms"] < checkpoint["dcp_async_save_ms"]
     )
     figures = {
@@ -249,6 +323,7 @@ def main() -> None:
         "nvml": readings,
         "self_test": test,
         "checkpoint": checkpoint,
+        **({"rank_killed": killed} if killed is not None else {}),
         **({"nccl_hang_aborted": hang} if hang is not None else {}),
         **({"nccl_two_ranks": two} if two is not None else {}),
         "skipped": skipped,

@@ -241,10 +241,11 @@ async def fleet(args: argparse.Namespace) -> int:
     handle = fleet_handle(await _client(args))
     if args.action is None:
         nodes, records = await handle.query(FleetWorkflow.nodes), await handle.query(FleetWorkflow.quarantines)
+        trends = await handle.query(FleetWorkflow.ecc_trends)
         if args.json:
-            emit_json({"nodes": nodes, "quarantines": records})
+            emit_json({"nodes": nodes, "quarantines": records, "ecc_trends": trends})
         else:
-            console.print(fleet_table(nodes, records))
+            console.print(fleet_table(nodes, records, trends))
         return 0
     try:
         if args.action == "retest":

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -26,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
-from stayalive.core.fleet.model import FleetNode, Quarantine
+from stayalive.core.fleet.model import EccTrend, FleetNode, Quarantine
 from stayalive.core.run.status import CheckpointRecord, Ledger, Progress, RunResult, RunStatus
 from stayalive.core.run.timeline import Interruption
 from stayalive.workflows.run import RunWorkflow
@@ -216,7 +217,11 @@ def checkpoints_table(records: list[CheckpointRecord]) -> Table:
     return table
 
 
-def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine]) -> Group:
+def _day_time(unix_s: int) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).strftime("%m-%d %H:%M")
+
+
+def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine], trends: list[EccTrend]) -> Group:
     table = Table(title="Fleet", title_justify="left")
     _columns(table, "node", "rack", "hub", "state", "run", "since")
     for n in nodes:
@@ -234,4 +239,13 @@ def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine]) -> Group:
             "-" if test is None else ("passed" if test.passed else f"failed: {test.detail}"),
             q.released_at.strftime("%H:%M:%S") if q.released_at else "no",
         )
-    return Group(table, records)
+    if not trends:
+        return Group(table, records)
+    ecc = Table(title="Corrected ECC errors (NVML, since each driver loaded)", title_justify="left")
+    _columns(ecc, "node", "errors", "per day", "first read", "last read")
+    for t in trends:
+        first, last = (
+            datetime.fromtimestamp(point[0], UTC).strftime("%m-%d %H:%M") for point in (t.points[0], t.points[-1])
+        )
+        ecc.add_row(t.node, str(t.corrected), f"{t.per_day():.1f}", first, last)
+    return Group(table, records, ecc)

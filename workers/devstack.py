@@ -77,6 +77,9 @@ class DevStack:
     workdir: Path = field(default_factory=Path.cwd)
     detach: bool = False
     fork_server: bool = True  # node agents fork ranks from a warm process (False: every rank starts cold)
+    # node → the GPUs its agent and its ranks see (CUDA_VISIBLE_DEVICES): one host standing in for
+    # several GPU nodes, each on GPUs of its own. A node not named sees every GPU.
+    gpus: dict[str, str] = field(default_factory=dict)
     # Where the agents' hubs listen, and the interface ranks' gloo binds (None: gloo's pick). Another
     # address than loopback lets an agent in a network namespace reach them (workers/netns.py); the
     # server then listens on every interface (the dev server's own services dial it on loopback).
@@ -203,7 +206,10 @@ class DevStack:
         argv += ["--state-dir", str(self.state_dir), "--memory-dir", str(self.memory_dir / node)]
         argv += [] if self.fork_server else ["--no-fork-server"]
         interface = netns.ns_if if netns else self.interface
-        self._spawn(f"agent-{node}", argv, {"GLOO_SOCKET_IFNAME": interface} if interface else {})
+        env = {"GLOO_SOCKET_IFNAME": interface} if interface else {}
+        if node in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[node]
+        self._spawn(f"agent-{node}", argv, env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes.pop(name)

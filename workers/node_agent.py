@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import math
 import signal
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,7 +38,7 @@ from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
 from stayalive.agent.selftest import MEMORY_SHARE
 from stayalive.core.decisions.fencing import PARTITION_REPORT
-from stayalive.core.fleet.requests import FleetRequest, RegisterNode, fleet_id
+from stayalive.core.fleet.requests import FleetRequest, RecordCorrectedErrors, RegisterNode, fleet_id
 from stayalive.training.logs import configure_logging
 from stayalive.workers.secret import add_secret_flag, load_secret
 from stayalive.workers.temporal import add_temporal_flags, client_config, connect
@@ -44,6 +46,8 @@ from stayalive.workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
 from stayalive.workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
+
+ECC_REPORT_EVERY = 600.0  # seconds between a node's corrected-ECC reports while its count keeps rising
 
 
 def default_memory_dir(node: str) -> Path:
@@ -111,6 +115,28 @@ async def report_partitions(
             await announce()
 
 
+async def report_corrected_errors(client: Client, agent: NodeAgent, every: float = ECC_REPORT_EVERY) -> None:
+    """Forever: tell the fleet this node's corrected-ECC count when it rises (the fleet keeps the trend,
+    core/fleet/rules.py): the first count at once, later rises at most once every `every` seconds, so a
+    node whose memory keeps correcting errors sends a few requests an hour and a quiet one none."""
+    fleet = FleetClient(fleet_handle(client))
+    sent, sent_at = 0, -math.inf
+    while True:
+        await asyncio.sleep(1.0)
+        reading = agent.corrected_errors
+        if reading is None or reading[1] <= sent or time.monotonic() - sent_at < every:
+            continue
+        at, corrected = reading
+        request = RecordCorrectedErrors(node=agent.node, at=at, corrected=corrected)
+        try:
+            await fleet.ask(request, id=f"ecc/{agent.node}/{at.isoformat()}")
+        except Exception as exc:  # not registered yet, or Temporal out of reach: the next rise or poll tries again
+            log.warning("corrected ECC errors not reported yet", node=agent.node, corrected=corrected, error=str(exc))
+            continue
+        log.info("corrected ECC errors reported", node=agent.node, corrected=corrected)
+        sent, sent_at = corrected, time.monotonic()
+
+
 async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret: bytes, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, secret, args.advertise)
     await hub.start()
@@ -129,12 +155,14 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
     registration = asyncio.create_task(announce())
     sampler = asyncio.create_task(agent.sample_gpus(telemetry))
     fencing = [agent.fence_when_cut_off(), report_partitions(client, agent, announce)]
+    reporting = asyncio.create_task(report_corrected_errors(client, agent))
     fencing_tasks = [asyncio.create_task(task) for task in fencing]
     try:
         await stopped.wait()
     finally:
         registration.cancel()
         sampler.cancel()
+        reporting.cancel()
         for task in fencing_tasks:
             task.cancel()
         await agent.vacate()

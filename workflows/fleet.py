@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.fleet import rules
     from stayalive.core.fleet.model import (
         Baseline,
+        EccTrend,
         EvictionOutcome,
         FailureRate,
         FleetAnswer,
@@ -48,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         Grant,
         MarkSuspect,
         QuarantineNode,
+        RecordCorrectedErrors,
         RecordEviction,
         RecordExposure,
         RecordWindows,
@@ -145,6 +147,8 @@ class FleetWorkflow:
                 return len(op.medians)
             case RecordExposure():
                 return rules.record_exposure(fleet, op.gpu_hours, op.failures)
+            case RecordCorrectedErrors():
+                return rules.record_corrected_errors(fleet, op.node, op.at, op.corrected)
 
     def _register(self, op: RegisterNode, now: datetime) -> FleetNode:
         node = rules.register(self.fleet, op.node, op.rack, op.hub, op.spare, now)
@@ -223,6 +227,11 @@ class FleetWorkflow:
     def failure_rate(self) -> FailureRate:
         """Failures per GPU-hour over every run's exposure: the baseline paging compares a run with."""
         return self.fleet.failure_rate
+
+    @workflow.query
+    def ecc_trends(self) -> list[EccTrend]:
+        """Nodes' corrected-ECC trends, the fastest-rising first."""
+        return sorted(self.fleet.ecc_trends.values(), key=lambda t: (-t.per_day(), -t.corrected, t.node))
 
     @workflow.query
     def evictions(self) -> list[EvictionOutcome]:

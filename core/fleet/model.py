@@ -1,6 +1,7 @@
 """What the fleet knows: every node of one cluster (its state, its run, where its agent's hub
 listens), quarantine records, what it has learned from past runs (eviction outcomes, healthy
-step-time baselines), and its answers to recent requests.
+step-time baselines), the nodes whose GPUs correct the most ECC errors, and its answers to recent
+requests.
 
 FleetWorkflow carries `FleetState` whole across continue-as-new, so everything in it is bounded and
 it is carried compactly: at 2,048 nodes and every cap full it stays well under a payload's 256 KiB
@@ -29,6 +30,8 @@ KEEP_SELF_TESTS_PER_QUARANTINE = 4  # results kept on one record; older ones are
 TEXT_LIMIT = 160  # characters of a reason, note or self-test detail the fleet keeps
 # Enough for every agent of a 2,048-node fleet registering at once to find its own answer, twice over.
 KEEP_ANSWERS = 4096
+KEEP_ECC_TRENDS = 16  # nodes whose corrected-ECC trend the fleet keeps: those with the most errors
+KEEP_ECC_POINTS = 8  # readings kept per node: its first and the newest
 # Across continue-as-new, which waits until every sender has had time to read its answer, only a
 # retry needs one: the newest answers that fit this budget go along.
 CARRIED_ANSWER_BYTES = 12 * 1024
@@ -152,6 +155,26 @@ class FailureRate(BaseModel):
         return 3600.0 / (self.per_gpu_hour() * max(gpus, 1))
 
 
+class EccTrend(BaseModel):
+    """One node's corrected (single-bit) ECC errors over time, summed over its GPUs, as its agent read
+    them from NVML. A corrected error costs nothing today, but a count that keeps rising is memory
+    wearing out: the history an operator reads before pulling a node, and the one an uncorrectable
+    error is read against. The counter is NVML's volatile one (since the driver loaded): a count that
+    falls is a reboot, and the trend starts over."""
+
+    node: str
+    points: list[tuple[int, int]] = Field(min_length=1)  # (Unix seconds, corrected errors), oldest first
+
+    def per_day(self) -> float:
+        """Corrected errors a day from the first reading kept to the newest (0 from one reading)."""
+        (t0, c0), (t1, c1) = self.points[0], self.points[-1]
+        return (c1 - c0) * 86_400 / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def corrected(self) -> int:
+        return self.points[-1][1]
+
+
 class FleetAnswer(BaseModel, Generic[R]):
     """What the fleet answered one request: the operation's result, or why it was refused (then
     nothing changed)."""
@@ -183,6 +206,7 @@ class FleetState(BaseModel):
     evictions: list[EvictionOutcome] = []  # oldest first
     baselines: dict[str, Baseline] = {}  # least recently taught first
     failure_rate: FailureRate = FailureRate()
+    ecc_trends: dict[str, EccTrend] = {}  # node → its trend: the KEEP_ECC_TRENDS with the most errors
     answers: OrderedDict[str, FleetAnswer[Any]] = OrderedDict()  # request id → its answer, oldest first
 
     def quarantines(self) -> list[Quarantine]:

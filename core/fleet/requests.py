@@ -11,11 +11,12 @@ Each operation is a `FleetOp[R]`, R being the type of its result, so the sender'
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from stayalive.core.fleet.model import EvictionOutcome, FailureRate, FleetNode, Quarantine
+from stayalive.core.fleet.model import EccTrend, EvictionOutcome, FailureRate, FleetNode, Quarantine
 
 R = TypeVar("R")
 
@@ -131,6 +132,16 @@ class RecordExposure(FleetOp[FailureRate]):
     failures: int = Field(ge=0)
 
 
+class RecordCorrectedErrors(FleetOp[EccTrend | None]):
+    """A node agent's reading of its GPUs' corrected ECC errors (summed; since the driver loaded), sent
+    when the count rises: answered with the node's trend, None if the fleet does not keep it."""
+
+    kind: Literal["record_corrected_errors"] = "record_corrected_errors"
+    node: str
+    at: datetime
+    corrected: int = Field(ge=0)
+
+
 FleetOperation = Annotated[
     RegisterNode
     | Acquire
@@ -142,7 +153,8 @@ FleetOperation = Annotated[
     | Retest
     | RecordEviction
     | RecordWindows
-    | RecordExposure,
+    | RecordExposure
+    | RecordCorrectedErrors,
     Field(discriminator="kind"),
 ]
 

@@ -18,11 +18,14 @@ from stayalive.core.fleet.model import (
     BASELINE_WINDOW,
     KEEP_BASELINES,
     KEEP_CLOSED_QUARANTINES,
+    KEEP_ECC_POINTS,
+    KEEP_ECC_TRENDS,
     KEEP_EVICTIONS,
     KEEP_RUNS_PER_QUARANTINE,
     KEEP_SELF_TESTS_PER_QUARANTINE,
     TEXT_LIMIT,
     Baseline,
+    EccTrend,
     EvictionOutcome,
     FailureRate,
     FleetNode,
@@ -273,6 +276,27 @@ def record_exposure(state: FleetState, gpu_hours: float, failures: int) -> Failu
     rate.gpu_hours += gpu_hours
     rate.failures += failures
     return rate
+
+
+def record_corrected_errors(state: FleetState, node: str, at: datetime, corrected: int) -> EccTrend | None:
+    """A node's count of corrected ECC errors joins its trend; its first reading stays, so the rate
+    spans the whole trend. The fleet keeps the KEEP_ECC_TRENDS nodes with the most errors: answered
+    with the node's trend, or None when it has too few to be kept. A reading no newer than the trend's
+    newest (a retry, a late one) changes nothing."""
+    known(state, node)
+    reading = (int(at.timestamp()), corrected)
+    trend = state.ecc_trends.get(node)
+    if trend is not None and reading[0] <= trend.points[-1][0]:
+        return trend
+    if trend is None or corrected < trend.corrected:  # the first, or the driver reloaded: a new count
+        trend = state.ecc_trends[node] = EccTrend(node=node, points=[reading])
+    else:
+        trend.points.append(reading)
+        del trend.points[1 : -(KEEP_ECC_POINTS - 1)]
+    if len(state.ecc_trends) > KEEP_ECC_TRENDS:
+        fewest = min(state.ecc_trends.values(), key=lambda t: (t.corrected, t.points[-1][0]))
+        del state.ecc_trends[fewest.node]
+    return state.ecc_trends.get(node)
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from stayalive.core.fleet.model import (
     KEEP_ANSWERS,
     KEEP_BASELINES,
     KEEP_CLOSED_QUARANTINES,
+    KEEP_ECC_POINTS,
+    KEEP_ECC_TRENDS,
     KEEP_EVICTIONS,
     KEEP_RUNS_PER_QUARANTINE,
     KEEP_SELF_TESTS_PER_QUARANTINE,
@@ -66,6 +68,10 @@ def worst_case() -> FleetState:
     for digest in range(KEEP_BASELINES + 2):
         windows = [0.123456789 + w / 7 for w in range(BASELINE_WINDOW + 10)]
         rules.record_baseline(state, f"{digest:064x}", windows)
+    for i in range(KEEP_ECC_TRENDS + 10):  # hourly readings, the counts of a GPU wearing out fast
+        for hour in range(KEEP_ECC_POINTS + 3):
+            count = 10**12 + i * 10**8 + hour
+            rules.record_corrected_errors(state, f"node-{i:04d}", later + timedelta(hours=hour), count)
     for i in range(KEEP_ANSWERS + 10):  # registrations' answers, as a run's activity names its requests
         registered = to_jsonable_python(state.nodes[f"node-{i % NODES:04d}"])
         state.keep_answer(f"{RUN}/{RUN[-8:]}-0000-0000-0000-000000000000/{i}", FleetAnswer[Any](result=registered))
@@ -77,6 +83,8 @@ def test_the_worst_case_fleet_is_carried_well_under_a_payloads_limit() -> None:
     assert len(state.released) == KEEP_CLOSED_QUARANTINES
     assert len(state.quarantined) == OPEN_QUARANTINES
     assert len(state.answers) == KEEP_ANSWERS
+    assert len(state.ecc_trends) == KEEP_ECC_TRENDS
+    assert all(len(t.points) == KEEP_ECC_POINTS for t in state.ecc_trends.values())
     carried = state.carried()
     size = len(to_json(carried))
     parts = {name: len(to_json(getattr(carried, name))) for name in FleetState.model_fields}

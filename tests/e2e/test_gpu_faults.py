@@ -3,7 +3,8 @@ real run: each kind once, on a chain of spares. A GPU that can no longer compute
 ECC error, a critical Xid) restarts the run without its node; one that still computes (a row that could
 not be remapped, an NVLink down) is drained at a step every rank agrees on, the survivors keeping their
 processes. Each is a failure on the timeline with its page class, and the fleet keeps the node
-quarantined: its self-test reads NVML too, and the GPU still shows the failure."""
+quarantined: its self-test reads NVML too, and the GPU still shows the failure. A GPU whose memory
+only corrects errors interrupts nothing; the fleet records the node's count."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from temporalio.client import Client
 
 from stayalive.activities.fleet import FleetClient
-from stayalive.core.fleet.model import NodeState, Quarantine
+from stayalive.core.fleet.model import EccTrend, NodeState, Quarantine
 from stayalive.core.fleet.requests import Retest
 from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
@@ -39,6 +40,8 @@ FAULTS = {
     "g6": {"kind": "nvlink", "gpu": 3, "links_down": 2},
 }
 RESTARTS, DRAINS = ["g2", "g3", "g4"], ["g5", "g6"]
+# g7's memory corrects errors: no failure, but the fleet records the node's count for its history.
+WEARING = {"node": "g7", "kind": "ecc", "gpu": 0, "corrected": 40, "uncorrected": 0}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def chain_spec(root: Path) -> RunSpec:
             "entrypoint": [*TRAINER, "--device-ms", "20"],
             "target_step": 300,  # long enough for five interruptions, each seen within half a second
             "checkpoint": {"root": str(root), "interval": "10 steps"},
-            "faults": [{"node": node, **fault} for node, fault in FAULTS.items()],
+            "faults": [*({"node": node, **fault} for node, fault in FAULTS.items()), WEARING],
         }
     )
 
@@ -97,6 +100,9 @@ async def test_each_nvml_failure_cordons_its_node_with_its_cause_page_and_fleet_
     assert all(i.restored_from != "live" for i in timeline[:3]), "restarted: the GPU could not compute"
     assert all(i.restored_from == "live" for i in timeline[3:]), "drained: the survivors kept their processes"
 
+    trends = await ecc_trends(client, "g7")
+    assert list(trends) == ["g7"] and trends["g7"].corrected == 40, "only g7's GPUs corrected errors"
+
     faulty = list(FAULTS)
     await wait_for_fleet(client, lambda nodes: all(nodes[n].state == NodeState.QUARANTINED for n in faulty))
     records = await self_tested(client, faulty)
@@ -105,6 +111,16 @@ async def test_each_nvml_failure_cordons_its_node_with_its_cause_page_and_fleet_
         assert "GPU failure" in record.reason and result.run_id in record.run_ids_affected
         test = record.self_tests[-1]
         assert not test.passed and test.checks["nvml"] is False and test.checks["gemm"] is True, test.detail
+
+
+async def ecc_trends(client: Client, node: str, timeout: float = 30) -> dict[str, EccTrend]:
+    """The fleet's corrected-ECC trends of this test's nodes, once `node` has one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        trends = {t.node: t for t in await fleet_handle(client).query(FleetWorkflow.ecc_trends) if t.node in NODES}
+        if node in trends or time.monotonic() > deadline:
+            return trends
+        await asyncio.sleep(0.5)
 
 
 async def self_tested(client: Client, nodes: list[str], timeout: float = 60) -> dict[str, Quarantine]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from stayalive.core.fleet.model import FleetNode, NodeState, Quarantine
+from stayalive.core.fleet.model import EccTrend, FleetNode, NodeState, Quarantine
 from stayalive.core.run.status import CheckpointRecord
 from stayalive.core.run.timeline import Cause, Interruption
 from stayalive.workers import cli
@@ -88,8 +88,19 @@ def test_fleet_prints_nodes_and_quarantines(
 ) -> None:
     nodes = [FleetNode(id="n1", rack="rack-a", hub="127.0.0.1:1", state=NodeState.QUARANTINED, since=AT)]
     records = [Quarantine(node="n1", reason="ECC errors", since=AT, run_ids_affected=["r1"])]
-    answering(monkeypatch, {FleetWorkflow.nodes: nodes, FleetWorkflow.quarantines: records})
+    start = int(AT.timestamp())
+    trends = [EccTrend(node="n1", points=[(start, 100), (start + 6 * 3600, 130)])]
+    answering(
+        monkeypatch, {FleetWorkflow.nodes: nodes, FleetWorkflow.quarantines: records, FleetWorkflow.ecc_trends: trends}
+    )
     assert cli.main(["fleet", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert TypeAdapter(list[FleetNode]).validate_python(printed["nodes"]) == nodes
     assert TypeAdapter(list[Quarantine]).validate_python(printed["quarantines"]) == records
+    assert TypeAdapter(list[EccTrend]).validate_python(printed["ecc_trends"]) == trends
+
+    assert cli.main(["fleet"]) == 0
+    table = capsys.readouterr().out
+    assert "Corrected ECC errors" in table
+    row = next(line.replace("│", " ").split() for line in table.splitlines() if "130" in line)
+    assert row == ["n1", "130", "120.0", "01-01", "13:16", "01-01", "19:16"], "node, errors, per day, first and last"
