@@ -235,7 +235,9 @@ def rank_killed(work: Path, gpus: int) -> dict[str, Any]:
         "final_step": result.final_step,
         "restored_from": resumed,
         "resumed_at_step": crash.resumed_from if crash is not None else None,
-        "restart_s": round(crash.restart_seconds, 2) if crash is not None and crash.restart_seconds else None,
+        "restart_s": round(crash.restart_seconds, 2)
+        if crash is not None and crash.restart_seconds is not None
+        else None,
     }
 
 

@@ -244,8 +244,6 @@ def fleet_table(nodes: list[FleetNode], quarantines: list[Quarantine], trends: l
     ecc = Table(title="Corrected ECC errors (NVML, since each driver loaded)", title_justify="left")
     _columns(ecc, "node", "errors", "per day", "first read", "last read")
     for t in trends:
-        first, last = (
-            datetime.fromtimestamp(point[0], UTC).strftime("%m-%d %H:%M") for point in (t.points[0], t.points[-1])
-        )
+        first, last = _day_time(t.points[0][0]), _day_time(t.points[-1][0])
         ecc.add_row(t.node, str(t.corrected), f"{t.per_day():.1f}", first, last)
     return Group(table, records, ecc)
