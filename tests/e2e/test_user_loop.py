@@ -299,9 +299,10 @@ async def test_a_checkpoint_the_runs_own_check_rejects_is_never_resumed(client: 
         "validation": ["python", "tests/training/api_check.py", "--reject-step", "10"],
     }
     entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "150"]
-    # 9 s of steps: the check runs a process per checkpoint, so verdicts trail the run by seconds
-    # (more on a loaded machine), and the kill must come while the run still trains.
-    spec = loop_spec(root, out, samples, target_step=60, checkpoint=checkpoint, entrypoint=entrypoint)
+    # 15 s of steps: the check runs a process per checkpoint, so verdicts trail the run by seconds
+    # (on a loaded CI host step 10's came after all of a 9 s run), and the kill must come while the run
+    # still trains.
+    spec = loop_spec(root, out, samples, target_step=100, checkpoint=checkpoint, entrypoint=entrypoint)
     handle = await start(client, spec, "user-loop-check")
     status = await wait_until(handle, lambda s: any(c.step == 10 for c in s.checkpoints), timeout=120)
     os.kill((await rank_pids(client, handle))["n1"][1], signal.SIGKILL)
