@@ -32,8 +32,10 @@ def generate_text(seed: int = 0, sentences: int = 20_000) -> str:
 class Corpus:
     def __init__(self, text: str) -> None:
         self.chars = sorted(set(text))
-        index = {ch: i for i, ch in enumerate(self.chars)}
-        self.tokens = torch.tensor([index[ch] for ch in text], dtype=torch.long)
+        # A character's token is its place among the sorted code points: one search in torch, where a
+        # Python loop over the text took 70 ms of every rank's start.
+        points = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
+        self.tokens = torch.searchsorted(torch.tensor([ord(ch) for ch in self.chars], dtype=torch.int32), points)
 
     @property
     def vocab_size(self) -> int:

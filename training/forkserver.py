@@ -63,6 +63,7 @@ PROFILES = {
         "torch._dynamo",
         "torch.distributed.checkpoint",
         "stayalive.training.train",
+        "stayalive.training.run",  # what `stayalive.Run` and `init_process_group` load on first use
     ),
     "script": ("torch", "torch.distributed"),
 }

@@ -290,31 +290,32 @@ async def test_force_checkpoint_and_resume_from_a_named_step(client: Client, tmp
 
 async def test_a_checkpoint_the_runs_own_check_rejects_is_never_resumed(client: Client, tmp_path: Path) -> None:
     """checkpoint.validation runs tests/training/api_check.py (load, forward pass) on every checkpoint
-    after stayalive's checks: it rejects step 10's, and a rank killed just after that verdict resumes
+    after stayalive's checks: it rejects step 30's, and a rank killed just after that verdict resumes
     from another checkpoint, one both checks passed, or from the start."""
     root, out, samples = tmp_path / "checkpoints", tmp_path / "final.pt", tmp_path / "samples.txt"
     checkpoint = {
         "root": str(root),
-        "interval": "10 steps",
-        "validation": ["python", "tests/training/api_check.py", "--reject-step", "10"],
+        "interval": "30 steps",
+        "validation": ["python", "tests/training/api_check.py", "--reject-step", "30"],
     }
     entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "150"]
-    # 15 s of steps: the check runs a process per checkpoint, so verdicts trail the run by seconds
-    # (on a loaded CI host step 10's came after all of a 9 s run), and the kill must come while the run
-    # still trains.
-    spec = loop_spec(root, out, samples, target_step=100, checkpoint=checkpoint, entrypoint=entrypoint)
+    # The check is a process per checkpoint (python, torch, a load): its verdicts trail the run by
+    # seconds, and the kill must come while the run still trains. Checkpoints 4.5 s apart do not queue
+    # their checks (at 1.5 s a loaded CI host judged step 10 after all of a 9 s run); step 30's verdict
+    # has the 12 s of steps after it.
+    spec = loop_spec(root, out, samples, target_step=110, checkpoint=checkpoint, entrypoint=entrypoint)
     handle = await start(client, spec, "user-loop-check")
-    status = await wait_until(handle, lambda s: any(c.step == 10 for c in s.checkpoints), timeout=120)
+    status = await wait_until(handle, lambda s: any(c.step == 30 for c in s.checkpoints), timeout=120)
     os.kill((await rank_pids(client, handle))["n1"][1], signal.SIGKILL)
     (rejected,) = status.checkpoints
     assert not rejected.validated
-    assert "step 10: the forward pass is not what this model should give" in rejected.reason
+    assert "step 30: the forward pass is not what this model should give" in rejected.reason
 
     result = await handle.result()
     assert result.state == RunState.COMPLETED, result.failure
     (crash,) = result.interruptions
     assert (crash.cause, crash.rank) == (Cause.CRASH, 1)
-    assert crash.resumed_from is not None and crash.resumed_from != 10
+    assert crash.resumed_from is not None and crash.resumed_from != 30
     judged = await handle.query(RunWorkflow.checkpoints)
     assert all("the run's own check" in c.reason for c in judged if c.validated)
     assert crash.resumed_from == 0 or any(c.step == crash.resumed_from and c.validated for c in judged)
