@@ -158,6 +158,12 @@ class DevStack:
             str(self.port),
             "--db-filename",
             str(self.state_dir / "temporal.db"),
+            # A write-ahead log: a transaction survives the server's process being killed as before, and
+            # costs one write instead of a journal's two fsyncs (some 250 a second under a test's run).
+            "--sqlite-pragma",
+            "journal_mode=wal",
+            "--sqlite-pragma",
+            "synchronous=normal",
             "--log-level",
             "error",
             *(arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)),
