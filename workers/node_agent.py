@@ -23,6 +23,7 @@ import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 
 import structlog
@@ -115,25 +116,29 @@ async def report_partitions(
             await announce()
 
 
-async def report_corrected_errors(client: Client, agent: NodeAgent, every: float = ECC_REPORT_EVERY) -> None:
-    """Forever: tell the fleet this node's corrected-ECC count when it rises (the fleet keeps the trend,
-    core/fleet/rules.py): the first count at once, later rises at most once every `every` seconds, so a
-    node whose memory keeps correcting errors sends a few requests an hour and a quiet one none."""
+async def report_corrected_errors(
+    client: Client, node: str, newest: Callable[[], tuple[datetime, int] | None], every: float = ECC_REPORT_EVERY
+) -> None:
+    """Forever: tell the fleet this node's corrected-ECC count when it changes (the fleet keeps the trend,
+    core/fleet/rules.py): the first count at once, later changes at most once every `every` seconds, so
+    a node whose memory keeps correcting errors sends a few requests an hour and a quiet one none. A
+    count that fell is a driver reload: the fleet starts the trend over from it. `newest()`: the agent's
+    latest reading (agent/node.py `corrected_errors`)."""
     fleet = FleetClient(fleet_handle(client))
     sent, sent_at = 0, -math.inf
     while True:
         await asyncio.sleep(1.0)
-        reading = agent.corrected_errors
-        if reading is None or reading[1] <= sent or time.monotonic() - sent_at < every:
+        reading = newest()
+        if reading is None or reading[1] == sent or time.monotonic() - sent_at < every:
             continue
         at, corrected = reading
-        request = RecordCorrectedErrors(node=agent.node, at=at, corrected=corrected)
+        request = RecordCorrectedErrors(node=node, at=at, corrected=corrected)
         try:
-            await fleet.ask(request, id=f"ecc/{agent.node}/{at.isoformat()}")
+            await fleet.ask(request, id=f"ecc/{node}/{at.isoformat()}")
         except Exception as exc:  # not registered yet, or Temporal out of reach: the next rise or poll tries again
-            log.warning("corrected ECC errors not reported yet", node=agent.node, corrected=corrected, error=str(exc))
+            log.warning("corrected ECC errors not reported yet", node=node, corrected=corrected, error=str(exc))
             continue
-        log.info("corrected ECC errors reported", node=agent.node, corrected=corrected)
+        log.info("corrected ECC errors reported", node=node, corrected=corrected)
         sent, sent_at = corrected, time.monotonic()
 
 
@@ -155,7 +160,7 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
     registration = asyncio.create_task(announce())
     sampler = asyncio.create_task(agent.sample_gpus(telemetry))
     fencing = [agent.fence_when_cut_off(), report_partitions(client, agent, announce)]
-    reporting = asyncio.create_task(report_corrected_errors(client, agent))
+    reporting = asyncio.create_task(report_corrected_errors(client, args.node, lambda: agent.corrected_errors))
     fencing_tasks = [asyncio.create_task(task) for task in fencing]
     try:
         await stopped.wait()

@@ -33,7 +33,7 @@ from temporalio.worker import Worker
 
 from stayalive.activities.fleet import FleetClient, FleetRefused
 from stayalive.agent.selftest import SelfTest
-from stayalive.core.fleet.model import FleetNode, NodeState, SelfTestResult
+from stayalive.core.fleet.model import EccTrend, FleetNode, NodeState, SelfTestResult
 from stayalive.core.fleet.requests import (
     Acquire,
     FleetOp,
@@ -49,6 +49,7 @@ from stayalive.core.fleet.requests import (
 from stayalive.workers import cli
 from stayalive.workers.devstack import temporal_binary
 from stayalive.workers.node_agent import register as register_agent
+from stayalive.workers.node_agent import report_corrected_errors
 from stayalive.workflows.fleet import FleetInput, FleetWorkflow, fleet_handle
 from stayalive.workflows.run import TASK_QUEUE
 from tests.helpers import workflow_id
@@ -312,6 +313,39 @@ async def test_a_node_agent_starts_the_fleet_with_its_registration(client: Clien
             "agent-1": (NodeState.HEALTHY, "10.0.0.1:7000"),
             "agent-2": (NodeState.SPARE, "10.0.0.2:7000"),
         }
+
+
+async def test_a_node_agents_corrected_ecc_count_reaches_the_fleet_and_a_reload_restarts_its_trend(
+    client: Client,
+) -> None:
+    """The agent's reader of its GPUs' corrected count tells the fleet when the count changes: a rise
+    joins the node's trend; a fall (the driver reloaded, NVML's volatile count with it) starts it over."""
+    reading: list[tuple[datetime, int]] = [(datetime(2026, 1, 1, tzinfo=UTC), 40)]
+    async with cluster_fleet(client) as handle:
+        await register_agent(client, "ecc-1", "r1", False, "10.0.0.3:7000")
+        reporting = asyncio.create_task(report_corrected_errors(client, "ecc-1", lambda: reading[-1], every=0))
+        try:
+            await trend_when(handle, "ecc-1", lambda t: t.corrected == 40)
+            reading.append((datetime(2026, 1, 1, 6, tzinfo=UTC), 70))
+            await trend_when(handle, "ecc-1", lambda t: t.corrected == 70)
+            reading.append((datetime(2026, 1, 1, 7, tzinfo=UTC), 3))
+            restarted = await trend_when(handle, "ecc-1", lambda t: t.corrected == 3)
+        finally:
+            reporting.cancel()
+    assert restarted.points == [(int(reading[-1][0].timestamp()), 3)], "the reload's count starts a new trend"
+
+
+async def trend_when(
+    handle: WorkflowHandle, node: str, predicate: Callable[[EccTrend], bool], timeout: float = 30.0
+) -> EccTrend:
+    deadline = time.monotonic() + timeout
+    trend = None
+    while time.monotonic() < deadline:
+        trend = next((t for t in await handle.query(FleetWorkflow.ecc_trends) if t.node == node), None)
+        if trend is not None and predicate(trend):
+            return trend
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{node}: trend not reached in {timeout}s (last: {trend})")
 
 
 async def test_an_operator_quarantines_and_retests_from_the_cli(
