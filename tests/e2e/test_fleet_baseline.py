@@ -27,8 +27,6 @@ from tests.helpers import Webhook, holding_the_host, start
 # the baseline the hot aisle is judged by is the one the healthy run taught, not the step time an
 # earlier test of the same job happened to measure on a differently loaded host.
 HEALTHY_JOB_ENV = {"STAYALIVE_TEST_JOB": "healthy-baseline"}
-# Both runs have one rank a node, a core each: held alone, the host runs nothing else meanwhile, so
-# the 2,000 steps take little more than their simulated device time.
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +34,9 @@ async def healthy_run(
     client: Client, tmp_path_factory: pytest.TempPathFactory, host_lock: Path
 ) -> AsyncIterator[RunSpec]:
     """2,000 healthy steps: nothing may be flagged (no straggler, slowdown, skipped update or failed
-    SDC check), and the fleet learns this configuration's step time."""
+    SDC check), and the fleet learns this configuration's step time. Both runs have one rank a node, a
+    core each: held alone, the host runs nothing else meanwhile, so the 2,000 steps take little more
+    than their simulated device time."""
     spec = detection_spec(
         tmp_path_factory.mktemp("healthy"), target_step=2000, env=HEALTHY_JOB_ENV, world_size=2, ranks_per_node=1
     )
