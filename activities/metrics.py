@@ -16,7 +16,7 @@ from datetime import timedelta
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from temporalio.client import Client
 
 from stayalive.core.book.health import Health
@@ -27,6 +27,8 @@ log = structlog.get_logger()
 OPEN_RUNS = "WorkflowType='RunWorkflow' AND ExecutionStatus='Running'"
 REFRESH_SECONDS = 5.0
 QUERY_TIMEOUT = timedelta(seconds=5)  # one run whose worker is gone must not stall the others
+# A monitor that keeps up judges a step well inside a second of its last report; past 2 s it does not.
+JUDGING_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 LEDGER_CATEGORIES = ("productive", "startup", "checkpoint", "lost", "recovery", "idle", "straggler")
 
 
@@ -48,6 +50,14 @@ class Exporter:
             "stayalive_checkpoint_interval_seconds", "Checkpoint interval in force (absent when fixed in steps)"
         )
         self.interruptions = gauge("stayalive_interruptions", "Interruptions in the run's timeline, by cause", "cause")
+        # Observed by this process's run monitors (activities/monitor.py), not refreshed from workflow state.
+        self.judging_lag = Histogram(
+            "stayalive_monitor_judging_lag_seconds",
+            "From a step's newest report being made on its rank to the run monitor judging the step",
+            ["run_id"],
+            buckets=JUDGING_BUCKETS,
+            registry=self.registry,
+        )
         self.runs: set[str] = set()
         self._causes: dict[str, set[str]] = {}  # per run, the cause labels it has series for
         self._server: WSGIServer | None = None
@@ -74,7 +84,7 @@ class Exporter:
     def forget(self, run_id: str) -> None:
         """Drop every series of a run that is no longer open: a finished run's gauges would otherwise
         report its last values forever."""
-        for metric in (self.goodput, self.step_p50, self.step_max, self.checkpoint_interval):
+        for metric in (self.goodput, self.step_p50, self.step_max, self.checkpoint_interval, self.judging_lag):
             metric.remove(run_id)
         for category in LEDGER_CATEGORIES:
             self.ledger.remove(run_id, category)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client import Histogram
 from temporalio import activity
 
 from stayalive.activities.checkpoints import Handover, keep_checkpoints
@@ -60,9 +61,10 @@ def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
 
 
 class MonitorActivities:
-    def __init__(self, fleet: FleetActivities, secret: bytes) -> None:
+    def __init__(self, fleet: FleetActivities, secret: bytes, judging_lag: Histogram) -> None:
         self.fleet = fleet  # where each node agent's hub listens
         self.secret = secret  # the fleet's: what the hubs take for a run's records
+        self.judging_lag = judging_lag  # the supervisor's /metrics: how far behind its monitors judge
 
     @activity.defn
     async def monitor_run(self, input: MonitorInput) -> MonitorReport:
@@ -70,7 +72,8 @@ class MonitorActivities:
         what the detectors find and each checkpoint's verdict."""
         hubs = await self.fleet.hubs(input.nodes)
         beat, handover = Heartbeat(), Handover()
-        watching = asyncio.create_task(watch(input, hubs, self.secret, beat, handover))
+        lag = self.judging_lag.labels(activity.info().workflow_id)
+        watching = asyncio.create_task(watch(input, hubs, self.secret, beat, handover, lag))
         keeping = asyncio.create_task(
             keep_checkpoints(input, input.keeper, hubs, self.secret, beat, handover)
             if input.keeper
@@ -88,10 +91,16 @@ class MonitorActivities:
 
 
 async def watch(
-    input: MonitorInput, hubs: dict[str, str], secret: bytes, beat: Heartbeat, handover: Handover
+    input: MonitorInput,
+    hubs: dict[str, str],
+    secret: bytes,
+    beat: Heartbeat,
+    handover: Handover,
+    judging_lag: Histogram,
 ) -> MonitorReport:
     """Fold every record and step frame into the generation's watch; signal its findings; return what
-    ended it. Records are acknowledged to their nodes with each heartbeat, never past an ending."""
+    ended it. Records are acknowledged to their nodes with each heartbeat, never past an ending.
+    `judging_lag` observes how long after its newest report each step was judged."""
     now = time.monotonic()
     seen = GenerationWatch(resumed_knowledge(beat, input), now, time.time())
     subscribe = Subscribe(
@@ -113,6 +122,9 @@ async def watch(
             # Steps every rank completed came before any failure in the same batch (a monitor taking
             # over reads a backlog): the generation's first step is reported before what ended it.
             events: list[MonitorEvent | None] = [*seen.steps(now), *found]
+            wall = time.time()
+            for done_at in seen.judged_at:
+                judging_lag.observe(wall - done_at)
             if now >= next_tick:
                 events.append(seen.tick(now, time.time()))
                 next_tick = now + TICK_SECONDS

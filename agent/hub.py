@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -80,7 +81,9 @@ class NodeHub:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> Endpoint:
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        # A generation's start brings every rank's store connection to the store's hub at once (16,384
+        # at 2,048 nodes): the kernel's longest accept queue, not asyncio's 100, so none is dropped.
+        self._server = await asyncio.start_server(self._serve, self.host, 0, backlog=socket.SOMAXCONN)
         return self.endpoint
 
     @property

@@ -10,11 +10,9 @@ files which process took which rank when a generation starts (RankStarted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from stayalive.agent.forkserver import ForkServers
 from stayalive.agent.gpu import GpuTelemetry
 from stayalive.agent.hub import NodeHub
-from stayalive.agent.processes import RankProcess, start_rank, stop_ranks
+from stayalive.agent.processes import RankLauncher, RankProcess, start_rank, stop_ranks
 from stayalive.agent.relay import LOOPBACK, StoreRelay
 from stayalive.agent.selftest import MEMORY_SHARE, SelfTest
 from stayalive.core.decisions.fencing import PartitionReport, cut_off
@@ -72,7 +70,7 @@ def _tail(path: Path, offset: int) -> str:
 def loopback_store() -> dist.TCPStore:
     """A generation's rendezvous store, on a socket bound to loopback only (agent/relay.py says why;
     the store takes the socket, and closes it when it goes)."""
-    listener = socket.create_server((LOOPBACK, 0), backlog=1024)
+    listener = socket.create_server((LOOPBACK, 0), backlog=socket.SOMAXCONN)
     port = listener.getsockname()[1]
     return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
@@ -124,10 +122,12 @@ class NodeAgent:
         state_dir: Path,
         forks: ForkServers | None = None,
         memory_share: float = MEMORY_SHARE,
+        launch_rank: RankLauncher | None = None,
     ) -> None:
         self.node = node
         self.memory_share = memory_share  # of each GPU's free memory, under its self-test's pattern test
         self.forks = forks  # the warm process fresh ranks are forked from (agent/forkserver.py)
+        self.launch_rank: RankLauncher = launch_rank or self._fork_or_spawn
         self.hub = hub
         self.state_dir = state_dir
         self.ranks: dict[str, list[RankProcess]] = {}
@@ -332,8 +332,7 @@ class NodeAgent:
         alive = [r for r in self.ranks.get(run_id, []) if r.exit_code is None]
         sizes = {r.rank: r.stack_path.stat().st_size if r.stack_path.exists() else 0 for r in alive}
         for r in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(r.pid, signal.SIGUSR1)
+            r.dump_stacks()
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and not all(_grew(r.stack_path, sizes[r.rank]) for r in alive):
             await asyncio.sleep(0.1)
@@ -375,6 +374,13 @@ class NodeAgent:
             log.info("ranks rejoined", run_id=launch.run_id, node=self.node, ranks=[r.rank for r in carried])
         return carried
 
+    async def _fork_or_spawn(
+        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
+    ) -> RankProcess:
+        """Forked from the warm server for its entrypoint where there is one, else started cold."""
+        warm = await self.forks.start_rank(rank, generation, argv, env, log_path, cwd) if self.forks else None
+        return warm or await start_rank(rank, generation, argv, env, log_path, cwd)
+
     async def _start(self, launch: NodeLaunch, skip: set[int]) -> list[RankProcess]:
         argv = resolve_argv(launch.entrypoint)
         workdir = Path(launch.workdir or ".").absolute()  # checked when the generation was prepared
@@ -384,12 +390,7 @@ class NodeAgent:
             if rank in skip:
                 continue
             env, log_path = self._env(launch, local_rank), run_dir / f"rank-{rank}.log"
-            warm = (
-                await self.forks.start_rank(rank, launch.generation, argv, env, log_path, workdir)
-                if self.forks
-                else None
-            )
-            ranks.append(warm or await start_rank(rank, launch.generation, argv, env, log_path, workdir))
+            ranks.append(await self.launch_rank(rank, launch.generation, argv, env, log_path, workdir))
         if ranks:
             log.info(
                 "ranks started",

@@ -15,7 +15,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,6 +60,16 @@ class RankProcess:
         code = self.waiter.result()
         return 128 - code if code < 0 else code
 
+    def signal(self, sig: int) -> None:
+        """Signal the rank's whole process group (a rank that is gone is left alone)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    def dump_stacks(self) -> None:
+        """Ask the rank to dump its Python stacks into `stack_path` (faulthandler, on SIGUSR1)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGUSR1)
+
     def log_tail(self, lines: int = 12) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -99,13 +109,21 @@ async def start_rank(
     return RankProcess(rank=rank, generation=generation, pid=process.pid, log_path=log_path, waiter=waiter)
 
 
+class RankLauncher(Protocol):
+    """How an agent starts a rank: a process, cold or forked warm (agent/node.py), or an emulated
+    one where a bench stands thousands of nodes on one host (sim/hub_farm.py)."""
+
+    async def __call__(
+        self, rank: int, generation: int, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path
+    ) -> RankProcess: ...
+
+
 async def stop_ranks(ranks: list[RankProcess], grace: float = 5.0) -> None:
     """SIGTERM every rank's process group, then SIGKILL what is left after `grace` seconds."""
     alive = [r for r in ranks if r.exit_code is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for r in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(r.pid, sig)
+            r.signal(sig)
         if alive:
             await asyncio.wait([r.waiter for r in alive], timeout=grace)
         alive = [r for r in alive if r.exit_code is None]

@@ -23,6 +23,9 @@ from stayalive.core.run.launch import Endpoint
 log = structlog.get_logger()
 
 LOOPBACK = "127.0.0.1"
+# The store's hub answers a knock in milliseconds; one that does not (a lost connection) must not
+# hold its rank in rendezvous for ever: the rank sees its connection close and fails.
+OPEN_TIMEOUT_S = 30.0
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -81,15 +84,16 @@ class StoreRelay:
 
     async def _open(self) -> Connection:
         """A connection that the store's hub has joined to the store; ConnectionError saying why not."""
-        reader, writer = await asyncio.open_connection(self.hub.host, self.hub.port)
-        try:
-            writer.write(knock(await reader.readline(), self.token.encode(), self.opening))
-            answer = await reader.readline()
+        async with asyncio.timeout(OPEN_TIMEOUT_S):  # TimeoutError is an OSError
+            reader, writer = await asyncio.open_connection(self.hub.host, self.hub.port)
             try:
-                StoreOpened.model_validate_json(answer)
-            except ValidationError:  # a Refused line: the hub's reason
-                raise ConnectionError(answer.decode(errors="replace").strip() or "the hub hung up") from None
-        except BaseException:
-            writer.close()
-            raise
+                writer.write(knock(await reader.readline(), self.token.encode(), self.opening))
+                answer = await reader.readline()
+                try:
+                    StoreOpened.model_validate_json(answer)
+                except ValidationError:  # a Refused line: the hub's reason
+                    raise ConnectionError(answer.decode(errors="replace").strip() or "the hub hung up") from None
+            except BaseException:
+                writer.close()
+                raise
         return reader, writer

@@ -71,7 +71,14 @@ def test_core_is_wings_none_importing_one_above_it() -> None:
 # Torch is where tensors are: the ranks (training/) and the node agent's parts that start them, open
 # their rendezvous store and test a GPU. Everything else (workflows, loaded into the sandbox of every
 # workflow task; the supervisor's activities; the simulator; the agent's hub) runs without it.
-LOADS_TORCH = {"agent/node.py", "agent/selftest.py", "agent/memory_test.py", "workers/node_agent.py"}
+LOADS_TORCH = {
+    "agent/node.py",
+    "agent/selftest.py",
+    "agent/memory_test.py",
+    "workers/node_agent.py",
+    "sim/emulated_rank.py",  # its store client is torch's, as a rank's is
+    "sim/hub_farm.py",
+}
 
 
 def torch_free_modules() -> list[str]:

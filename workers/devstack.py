@@ -169,7 +169,7 @@ class DevStack:
             *(arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)),
         ]
         argv += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
-        self._spawn("temporal", argv)
+        self.spawn("temporal", argv)
         deadline = time.monotonic() + timeout
         while not self.serving():
             if self.processes["temporal"].poll() is not None or time.monotonic() > deadline:
@@ -192,7 +192,7 @@ class DevStack:
     def start_supervisor(self) -> None:
         argv = [sys.executable, "-m", "stayalive.workers.supervisor", "--address", self.address]
         argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(self.metrics_port)]
-        self._spawn("supervisor", argv)
+        self.spawn("supervisor", argv)
 
     @property
     def memory_dir(self) -> Path:
@@ -215,7 +215,7 @@ class DevStack:
         env = {"GLOO_SOCKET_IFNAME": interface} if interface else {}
         if node in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[node]
-        self._spawn(f"agent-{node}", argv, env)
+        self.spawn(f"agent-{node}", argv, env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.processes.pop(name)
@@ -233,7 +233,7 @@ class DevStack:
     def _log(self, name: str) -> Path:
         return self.state_dir / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self._log(name).parent.mkdir(parents=True, exist_ok=True)
         with open(self._log(name), "ab") as log:
             self.processes[name] = subprocess.Popen(

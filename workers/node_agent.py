@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import math
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from stayalive.activities.fleet import FleetClient, FleetRefused
 from stayalive.agent.forkserver import ForkServers
-from stayalive.agent.gpu import gpu_telemetry
+from stayalive.agent.gpu import GpuTelemetry, gpu_telemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
 from stayalive.agent.selftest import MEMORY_SHARE
@@ -142,6 +143,31 @@ async def report_corrected_errors(
         sent, sent_at = corrected, time.monotonic()
 
 
+@contextlib.asynccontextmanager
+async def on_duty(
+    client: Client, agent: NodeAgent, rack: str, spare: bool, telemetry: GpuTelemetry
+) -> AsyncIterator[None]:
+    """What an agent does beside answering its hub, while the block runs: it registers with the
+    fleet, samples its GPUs, fences itself out of a run it is cut off from and reports that, and
+    reports its corrected-ECC count. After the block, every run still here is released."""
+    announce = functools.partial(register, client, agent.node, rack, spare, str(agent.hub.endpoint))
+    duties = [
+        announce(),
+        agent.sample_gpus(telemetry),
+        agent.fence_when_cut_off(),
+        report_partitions(client, agent, announce),
+        report_corrected_errors(client, agent.node, lambda: agent.corrected_errors),
+    ]
+    tasks = [asyncio.create_task(duty) for duty in duties]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await agent.vacate()
+
+
 async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret: bytes, memory_dir: Path) -> None:
     hub = NodeHub(args.node, args.host, memory_dir, secret, args.advertise)
     await hub.start()
@@ -156,21 +182,10 @@ async def serve(args: argparse.Namespace, temporal: ClientConnectConfig, secret:
     stopped = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
-    announce = functools.partial(register, client, args.node, args.rack, args.spare, str(hub.endpoint))
-    registration = asyncio.create_task(announce())
-    sampler = asyncio.create_task(agent.sample_gpus(telemetry))
-    fencing = [agent.fence_when_cut_off(), report_partitions(client, agent, announce)]
-    reporting = asyncio.create_task(report_corrected_errors(client, args.node, lambda: agent.corrected_errors))
-    fencing_tasks = [asyncio.create_task(task) for task in fencing]
     try:
-        await stopped.wait()
+        async with on_duty(client, agent, args.rack, args.spare, telemetry):
+            await stopped.wait()
     finally:
-        registration.cancel()
-        sampler.cancel()
-        reporting.cancel()
-        for task in fencing_tasks:
-            task.cancel()
-        await agent.vacate()
         hub.close()
         if forks is not None:
             await forks.close()

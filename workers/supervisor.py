@@ -76,12 +76,12 @@ async def ensure_fleet(client: Client, cluster: str = "default") -> None:
 METRICS_PORT = 9464  # the Prometheus exporters' customary default
 
 
-def activities(client: Client, secret: bytes) -> list[Callable[..., Any]]:
+def activities(client: Client, secret: bytes, exporter: Exporter) -> list[Callable[..., Any]]:
     """Every activity of RunWorkflow and FleetWorkflow: the node agents are reached from here."""
     fleet = FleetActivities(client)
     nodes = NodeActivities(fleet, secret)
     return [
-        MonitorActivities(fleet, secret).monitor_run,
+        MonitorActivities(fleet, secret, exporter.judging_lag).monitor_run,
         choose_checkpoint,
         nodes.launch,
         nodes.command,
@@ -111,7 +111,7 @@ async def serve(
         client,
         task_queue=TASK_QUEUE,
         workflows=[RunWorkflow, FleetWorkflow],
-        activities=activities(client, secret),
+        activities=activities(client, secret, exporter),
         # Heartbeats carry the live summary that `stayalive watch` and the UI show: send them every second.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
     )

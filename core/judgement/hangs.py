@@ -71,6 +71,10 @@ class CollectiveProgress(BaseModel):
             return None
         return cls(**dict(zip(PROGRESS_FIELDS, _PROGRESS.unpack_from(data), strict=True)))
 
+    def encode(self) -> bytes:
+        """The file's contents, as a rank keeps them (training/collectives.py)."""
+        return _PROGRESS.pack(*(getattr(self, name) for name in PROGRESS_FIELDS))
+
     def of(self, generation: int) -> CollectiveProgress:
         """As seen from `generation`: a rank still showing an earlier one (it has not joined the group
         yet) has entered none of this generation's collectives."""

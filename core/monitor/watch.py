@@ -97,6 +97,7 @@ class GenerationWatch:
         self.first: CompletedStep | None = None  # the generation's first step, once it is done
         self.outage: Outage | None = input.storage_outage  # checkpoint storage away, until a commit
         self.committed_at = 0.0  # the newest commit's time: a failure reported from before it is over
+        self.judged_at: list[float] = []  # when each step the last `steps()` judged was done (its newest report)
 
     # -- what comes in -------------------------------------------------------------------------
 
@@ -130,7 +131,9 @@ class GenerationWatch:
     def steps(self, now: float) -> list[MonitorEvent]:
         """Fold in the step frames that arrived; the events the completed steps make."""
         events: list[MonitorEvent] = []
+        self.judged_at = []
         for done in self.ingest.complete():
+            self.judged_at.append(done.at)
             self.watchdog.progress(done.step, done.at, done.step_time)
             if self.await_first_step and self.first is None and done.step > self.input.resume_step:
                 self.first = done  # when the generation's first step was done, not when it was read

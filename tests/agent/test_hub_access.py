@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from structlog.testing import capture_logs
 
 from stayalive.activities.hubs import ask, open_hub
+from stayalive.agent import relay as relay_module
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
 from stayalive.agent.processes import start_rank
@@ -24,6 +25,7 @@ from stayalive.agent.relay import StoreRelay
 from stayalive.core.messages.control import Prepare, Prepared, Refused, SendCommand, Sent
 from stayalive.core.protocol.access import run_token
 from stayalive.core.protocol.telemetry import Command, GetFile, Held, Hello, OpenStore, PutFile, Subscribe
+from stayalive.core.run.launch import Endpoint
 from stayalive.training import memory
 
 SECRET = b"the fleet's secret, 32 bytes ok"
@@ -32,6 +34,7 @@ OTHER_RUN = "other/0000ffff"
 TOKEN = run_token(SECRET, RUN)
 CHECKPOINT = "step-00000010-g0"
 SHARD = "__0_0.distcp"  # rank 0's DCP file
+BURST = 800  # store connections at once: well past asyncio's default accept queue of 100
 
 
 @pytest.fixture
@@ -226,3 +229,31 @@ async def test_held_ranks_are_not_fenced_however_long_nobody_reads(agent: NodeAg
         fencing.cancel()
     assert agent.partitions == [] and process.exit_code is None
     await agent.release(RUN)
+
+
+async def test_a_generations_ranks_all_reach_the_store_when_they_come_at_once(agent: NodeAgent) -> None:
+    """A generation's start brings every rank's store connection to the store's hub in one burst
+    (16,384 at 2,048 nodes); an accept queue of asyncio's default 100 left some hanging for ever."""
+    agent.prepare(Prepare(run_id=RUN, generation=0, open_store=True))
+    relays = [StoreRelay(agent.hub.endpoint, OpenStore(run_id=RUN, generation=0), TOKEN) for _ in range(BURST // 8)]
+    opened = await asyncio.wait_for(asyncio.gather(*(relays[i % len(relays)]._open() for i in range(BURST))), 20)
+    assert len(opened) == BURST
+    for _, writer in opened:
+        writer.close()
+
+
+async def test_a_relay_whose_store_hub_never_answers_lets_its_rank_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank must not wait in rendezvous for ever on a connection the store's hub lost: its relay
+    gives up and hangs up on it, and the rank's own store client fails."""
+    monkeypatch.setattr(relay_module, "OPEN_TIMEOUT_S", 0.5)
+    silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    hub = Endpoint(host="127.0.0.1", port=silent.sockets[0].getsockname()[1])
+    relay = StoreRelay(hub, OpenStore(run_id=RUN, generation=0), TOKEN)
+    await relay.start()
+    reader, writer = await asyncio.open_connection(relay.endpoint.host, relay.endpoint.port)
+    with capture_logs() as logs:
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "the relay hangs up on its rank"
+    assert [e["event"] for e in logs] == ["rendezvous store not reached"]
+    writer.close()
+    relay.close()
+    silent.close()

@@ -1,0 +1,121 @@
+"""Real node hubs at width on one host (sim/hub_farm.py): 64 nodes of 4 emulated ranks each, before
+the real supervisor worker on a dev server of this module's own. A rank's crash relaunches the run
+on a spare in place of its node; a collective hang is pinned on the one rank that never entered the
+all-reduce, from every rank's stack dump; every node acknowledges every generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from temporalio.client import WorkflowHandle
+
+from stayalive.core.run.spec import RunSpec
+from stayalive.core.run.timeline import Cause
+from stayalive.sim.hub_farm import farm_command, node_name
+from stayalive.workers.devstack import DevStack, free_port
+from stayalive.workers.secret import create_secret
+from stayalive.workers.temporal import connect, plain
+from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
+
+NODES = 64
+RANKS_PER_NODE = 4
+SPARES = 2
+CRASHED = 77  # a rank of n00019
+CULPRIT = 201  # a rank of n00050
+
+
+@pytest.fixture(scope="module")
+async def farm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DevStack]:
+    state = tmp_path_factory.mktemp("farm")
+    names = [node_name(i) for i in range(NODES + SPARES)]
+    stack = DevStack(state_dir=state, nodes=names, ui_port=None, port=free_port(), metrics_port=free_port())
+    create_secret(stack.secret_file)
+    try:
+        stack.start_temporal()
+        stack.start_supervisor()
+        stack.spawn("farm", farm_command(stack, 0, len(names), NODES, state / "events.jsonl"))
+        await stack.ready(timeout=120)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def spec(root: Path) -> RunSpec:
+    return RunSpec.model_validate(
+        {
+            "name": "farm",
+            "world_size": NODES * RANKS_PER_NODE,
+            "ranks_per_node": RANKS_PER_NODE,
+            "nodes": [node_name(i) for i in range(NODES)],
+            "spare_nodes": [node_name(NODES + i) for i in range(SPARES)],
+            "min_nodes": NODES,
+            "entrypoint": ["emulated-rank", "--step-seconds", "0.5"],
+            "target_step": 1_000_000,
+            "checkpoint": {"root": str(root), "interval": "1000000 steps"},
+            "faults": [
+                {"kind": "crash", "rank": CRASHED, "at_step": 4, "generation": 0},
+                {"kind": "collective_hang", "rank": CULPRIT, "at_step": 8, "generation": 1},
+            ],
+            "health": {"step_timeout": "5s"},
+        }
+    )
+
+
+async def until(ready: Callable[[], Awaitable[bool]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await ready():
+        assert time.monotonic() < deadline, f"not within {timeout:g}s"
+        await asyncio.sleep(0.5)
+
+
+def steps_judged(metrics_url: str, run: str) -> float:
+    """How many steps the supervisor's monitors judged for the run, from its /metrics."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "stayalive_monitor_judging_lag_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_count") and sample.labels["run_id"] == run
+    )
+
+
+def acknowledged(events: Path) -> Counter[int]:
+    """How many nodes answered each generation's StartRanks."""
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    return Counter(e["generation"] for e in lines if e["event"] == "acknowledged")
+
+
+async def test_a_crash_and_a_hang_at_64_nodes_are_each_pinned_on_their_rank(farm: DevStack, tmp_path: Path) -> None:
+    client = await connect(plain(farm.address))
+    handle: WorkflowHandle[RunWorkflow, object] = await client.start_workflow(
+        RunWorkflow.run, spec(tmp_path), id=f"farm-{int(time.time())}", task_queue=TASK_QUEUE
+    )
+
+    async def relaunched_twice() -> bool:
+        return (await handle.query(RunWorkflow.status_query)).generation >= 2
+
+    await until(relaunched_twice, timeout=180)
+    status = await handle.query(RunWorkflow.status_query)
+    crash, hang = status.interruptions[:2]
+    assert (crash.cause, crash.node, crash.rank) == (Cause.CRASH, node_name(CRASHED // RANKS_PER_NODE), CRASHED)
+    assert (hang.cause, hang.node, hang.rank) == (Cause.HANG, node_name(CULPRIT // RANKS_PER_NODE), CULPRIT)
+    assert hang.artifacts, "every rank's stacks, dumped before the relaunch"
+    assert node_name(CRASHED // RANKS_PER_NODE) not in status.nodes and status.spares_used
+    judged = await asyncio.to_thread(steps_judged, farm.metrics_url, handle.id)
+    assert judged >= 8, "the steps of both generations, each in the monitor's judging-lag histogram"
+
+    async def every_node_answered() -> bool:
+        return acknowledged(farm.state_dir / "events.jsonl").get(2, 0) == NODES
+
+    await until(every_node_answered, timeout=30)
+    assert acknowledged(farm.state_dir / "events.jsonl") == {0: NODES, 1: NODES, 2: NODES}
+    await handle.terminate("test over")
