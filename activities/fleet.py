@@ -13,6 +13,7 @@ import itertools
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from pydantic import TypeAdapter
@@ -41,8 +42,23 @@ from stayalive.core.fleet.requests import (
 R = TypeVar("R")
 
 ASK_WITHIN = 60.0  # seconds for the fleet to answer a request
-POLL_SECONDS = (0.02, 0.05)  # between two looks for answers, drawn at random so that senders spread out
-POLL_MAX_SECONDS = 1.0  # each look that finds nothing doubles the wait, up to this
+
+
+@dataclass(frozen=True)
+class Looks:
+    """How often a client looks for its answers: the first wait is drawn at random from `first`, so
+    that senders spread out, and each look that finds nothing doubles it, up to `most`."""
+
+    first: tuple[float, float]
+    most: float
+
+
+PROMPT = Looks(first=(0.02, 0.05), most=1.0)  # a run's requests: a relaunch waits on them
+# A node agent's registration and reports: thousands of agents ask at once (a cluster coming up), each
+# with its own client, and none is in a hurry. Every look is a query the fleet's worker answers: at
+# 2,048 agents the prompt pace made about 2,000 a second, and the dev server refused most of them
+# ("consistent query buffer is full") while the registrations waited behind the rest.
+PATIENT = Looks(first=(1.0, 5.0), most=20.0)
 LOOK_FOR = 256  # requests one look asks about (the longest waiting): it keeps each query small
 # Signals one client has in flight. The server takes a workflow's signals one at a time, under the same
 # lock as the fleet's task completions: more from one process only queue there and hold up the fleet's
@@ -64,8 +80,9 @@ class FleetClient:
     second); a look that finds nothing backs off, so that many agents, each with a client of its own,
     do not flood the supervisor with queries either."""
 
-    def __init__(self, fleet: WorkflowHandle[Any, Any]) -> None:
+    def __init__(self, fleet: WorkflowHandle[Any, Any], looks: Looks = PROMPT) -> None:
         self.handle = fleet
+        self.looks = looks
         self._waiting: dict[str, asyncio.Future[FleetAnswer[Any]]] = {}  # request id → its answer, once in
         self._looking: asyncio.Task[None] | None = None
         self._sending = asyncio.Semaphore(SENDING_AT_ONCE)
@@ -111,7 +128,7 @@ class FleetClient:
     async def _look_for_answers(self) -> None:
         misses = 0
         while self._waiting:
-            await asyncio.sleep(min(random.uniform(*POLL_SECONDS) * 2**misses, POLL_MAX_SECONDS))
+            await asyncio.sleep(min(random.uniform(*self.looks.first) * 2**misses, self.looks.most))
             try:
                 longest_waiting = list(itertools.islice(self._waiting, LOOK_FOR))
                 answers = await self.handle.query("answers", longest_waiting, result_type=_Answers)

@@ -56,6 +56,7 @@ def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
             "slowdown_known": bool(known["slowdown_known"]),
             "await_first_step": bool(known["await_first_step"]),
             "storage_outage": Outage.model_validate(outage) if (outage := known.get("storage_outage")) else None,
+            "restored_from": known.get("restored_from"),
         }
     )
 

@@ -47,7 +47,7 @@ from temporalio.api.history.v1 import HistoryEvent
 
 from stayalive.core.run.spec import RunSpec
 from stayalive.sim.history import chain
-from stayalive.sim.hub_farm import farm_command, node_name
+from stayalive.sim.hub_farm import farm_command, node_name, until
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
@@ -104,14 +104,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return math.nan
-
-
-async def until(ready: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await ready():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench.fanout: {what} not within {timeout:g}s")
-        await asyncio.sleep(0.5)
 
 
 def launch_decisions(segments: list[list[HistoryEvent]]) -> list[float]:

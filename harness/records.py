@@ -120,9 +120,10 @@ class RecordCollector:
         finally:
             writer.close()
 
-    async def caught_up(self, node: str, step: int, timeout: float = 30.0) -> None:
+    async def caught_up(self, node: str, step: int, timeout: float = 90.0) -> None:
         """Until this collector holds `node`'s step reports up to `step`: a node released from the run
-        forgets its records, so a test that releases one waits for them first."""
+        forgets its records, so a test that releases one waits for them first. A generation's start-up
+        alone took half a minute on a loaded two-core CI host."""
         deadline = time.monotonic() + timeout
         while max((r.step for r in step_reports([r for r in self.records if r.node == node])), default=0) < step:
             if time.monotonic() > deadline:

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,16 @@ RESOLVER_OPTIONS = "timeout:1 attempts:1"
 
 def node_name(index: int) -> str:
     return f"n{index:05d}"
+
+
+async def until(ready: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """Look every half second until `ready()`; TimeoutError naming `what` past `timeout` seconds (a
+    farm's bench and test wait on the stack this way)."""
+    deadline = time.monotonic() + timeout
+    while not await ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout:g}s")
+        await asyncio.sleep(0.5)
 
 
 def farm_command(stack: DevStack, first: int, count: int, spares_from: int, events: Path) -> list[str]:

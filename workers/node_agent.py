@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import random
 import signal
 import time
 import uuid
@@ -28,12 +29,12 @@ from datetime import datetime
 from pathlib import Path
 
 import structlog
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError, RPCStatusCode
 
-from stayalive.activities.fleet import FleetClient, FleetRefused
+from stayalive.activities.fleet import PATIENT, FleetClient
 from stayalive.agent.forkserver import ForkServers
 from stayalive.agent.gpu import GpuTelemetry, gpu_telemetry
 from stayalive.agent.hub import NodeHub
@@ -41,6 +42,7 @@ from stayalive.agent.node import NodeAgent
 from stayalive.agent.selftest import MEMORY_SHARE
 from stayalive.core.decisions.fencing import PARTITION_REPORT
 from stayalive.core.fleet.requests import FleetRequest, RecordCorrectedErrors, RegisterNode, fleet_id
+from stayalive.core.fleet.rules import FleetError, check_register
 from stayalive.training.logs import configure_logging
 from stayalive.workers.secret import add_secret_flag, load_secret
 from stayalive.workers.temporal import add_temporal_flags, client_config, connect
@@ -49,6 +51,7 @@ from stayalive.workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
 
+RESEND_AFTER = 120.0  # seconds a registration may take to show in the fleet before it is sent again
 ECC_REPORT_EVERY = 600.0  # seconds between a node's corrected-ECC reports while its count keeps rising
 
 
@@ -60,36 +63,56 @@ def default_memory_dir(node: str) -> Path:
 
 async def register(client: Client, node: str, rack: str, spare: bool, hub: str) -> None:
     """Tell the fleet this node is up and where its hub listens (host:port), starting the fleet's
-    workflow if this is its first node. Asked until the fleet answers: the supervisor may not be up
-    yet. Every try carries the same request id, so the fleet applies the registration once."""
-    request_id = f"register/{node}/{uuid.uuid4()}"
+    workflow if this is its first node; return once the fleet knows it.
 
-    async def start_fleet_with(request: FleetRequest) -> None:
-        await client.start_workflow(
-            FleetWorkflow.run,
-            FleetInput(),
-            id=fleet_id(),
-            task_queue=TASK_QUEUE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal="request",
-            start_signal_args=[request],
-        )
-
-    fleet = FleetClient(fleet_handle(client))
+    The registration is a `request` signal (with start), and once the server holds it the fleet
+    applies it: unlike a run's activities, the agent does not wait on the fleet's answer. It looks,
+    a few seconds later and then less and less often, for its hub among the fleet's, and sends again
+    only if the fleet still lacks it after RESEND_AFTER (a fleet started afresh meanwhile): 2,048
+    agents looking for their answers every second kept the fleet's worker answering queries instead
+    of applying the registrations, and those not answered within a minute sent theirs again. Every
+    send carries the same request id, so the fleet applies it once."""
+    try:
+        check_register(node, rack, hub)  # all the fleet would refuse: refused here, before anything is sent
+    except FleetError as refused:
+        log.error("the fleet would refuse this node's registration", node=node, hub=hub, reason=str(refused))
+        raise
+    request = FleetRequest(
+        id=f"register/{node}/{uuid.uuid4()}", op=RegisterNode(node=node, rack=rack, hub=hub, spare=spare)
+    )
+    fleet = fleet_handle(client)
     while True:
         try:
-            entry = await fleet.ask(
-                RegisterNode(node=node, rack=rack, hub=hub, spare=spare), id=request_id, send=start_fleet_with
+            await client.start_workflow(
+                FleetWorkflow.run,
+                FleetInput(),
+                id=fleet_id(),
+                task_queue=TASK_QUEUE,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                start_signal="request",
+                start_signal_args=[request],
             )
-        except FleetRefused as refused:  # asking again gets the same answer
-            log.error("the fleet refused this node's registration", node=node, hub=hub, reason=str(refused))
-            raise
-        except Exception as exc:  # the supervisor may not be up yet: keep asking
-            log.warning("fleet registration failed; retrying", node=node, error=str(exc))
+        except Exception as exc:  # Temporal is not up yet: keep asking
+            log.warning("fleet registration not sent; retrying", node=node, error=str(exc))
             await asyncio.sleep(2.0)
-        else:
-            log.info("registered with the fleet", node=node, hub=hub, state=entry.state.value)
+            continue
+        if await _known(fleet, node, hub):
+            log.info("registered with the fleet", node=node, hub=hub)
             return
+        log.warning("the fleet does not know this node yet; registering again", node=node, hub=hub)
+
+
+async def _known(fleet: WorkflowHandle[FleetWorkflow, None], node: str, hub: str) -> bool:
+    """Whether the fleet lists this node's hub within RESEND_AFTER, looking as PATIENT paces it."""
+    deadline = time.monotonic() + RESEND_AFTER
+    misses = 0
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(random.uniform(*PATIENT.first) * 2**misses, PATIENT.most))
+        with contextlib.suppress(RPCError):  # the fleet busy or starting: look again later
+            if (await fleet.query(FleetWorkflow.hubs, [node])).get(node) == hub:
+                return True
+        misses += 1
+    return False
 
 
 async def report_partitions(
@@ -125,7 +148,7 @@ async def report_corrected_errors(
     a node whose memory keeps correcting errors sends a few requests an hour and a quiet one none. A
     count that fell is a driver reload: the fleet starts the trend over from it. `newest()`: the agent's
     latest reading (agent/node.py `corrected_errors`)."""
-    fleet = FleetClient(fleet_handle(client))
+    fleet = FleetClient(fleet_handle(client), PATIENT)
     sent, sent_at = 0, -math.inf
     while True:
         await asyncio.sleep(1.0)

@@ -17,6 +17,7 @@ self-test, which runs as a background task and touches the state once, when its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -65,9 +66,15 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.fleet.rules import FleetError
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
-# Before continuing as new, the fleet waits this long without a request: every sender (polling its
-# answer every few tens of milliseconds) has read it by then, and only retries need the answers carried.
+# Before continuing as new, the fleet waits this long without a request: a run's activities (looking
+# at least every second) have read their answers by then. Node agents look less often (activities/
+# fleet.py PATIENT): theirs may be among the answers carried, or they ask again with the same id, and a
+# registration or ECC report applied twice changes nothing.
 ANSWER_GRACE = timedelta(seconds=5)
+# ...but not for ever: requests that never pause (2,048 agents registering, then asking again) would
+# carry the history to the server's hard limits (10,000 signals, 51,200 events), after which it refuses
+# every request. Past this many events the fleet hands over at once.
+HANDOVER_HISTORY = 8_000
 
 
 class FleetInput(BaseModel):
@@ -75,6 +82,7 @@ class FleetInput(BaseModel):
     # A node agent its self-test cannot reach within this long is down: the node stays quarantined.
     self_test_pickup_seconds: float = 300.0
     max_history: int | None = None  # for tests: continue-as-new past this many history events
+    handover_history: int = HANDOVER_HISTORY  # for tests: past this many, without waiting for a quiet moment
 
 
 # Unsandboxed: the sandbox costs about 250 µs per signal on two cores (its proxies in the SDK's own
@@ -252,6 +260,9 @@ class FleetWorkflow:
         limit = self.settings.max_history
         return info.is_continue_as_new_suggested() or (limit is not None and info.get_current_history_length() > limit)
 
+    def _history_is_full(self) -> bool:
+        return workflow.info().get_current_history_length() > self.settings.handover_history
+
     async def _settle(self) -> None:
         """Finish what this segment started before handing over: self-tests report back to this
         segment and would be lost after it, and senders read their answers here. Requests that came
@@ -259,9 +270,10 @@ class FleetWorkflow:
         while True:
             await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self.self_tests)
             quiet = workflow.now() - self.last_request_at
-            if quiet >= ANSWER_GRACE:
+            if quiet >= ANSWER_GRACE or self._history_is_full():
                 return
-            await workflow.sleep(ANSWER_GRACE - quiet)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await workflow.wait_condition(self._history_is_full, timeout=ANSWER_GRACE - quiet)
 
     async def _show_changes(self) -> None:
         """Redraw the web UI's details after each activation that changed the fleet: once, however

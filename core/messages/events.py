@@ -64,6 +64,7 @@ class MonitorInput(BaseModel):
     progress_s: float = 30.0  # how often the live numbers are reported when nothing else was (ProgressRefresh)
     keeper: KeeperInput | None = None  # judge the generation's checkpoints too
     storage_outage: Outage | None = None  # storage was away when the generation started (until a commit)
+    restored_from: Literal["memory", "storage"] | None = None  # what its ranks resumed from, once they said so
 
     @property
     def world_size(self) -> int:

@@ -11,7 +11,6 @@ arrive as one frame per node (core.monitor.progress.StepIngest) and a node is ch
 from __future__ import annotations
 
 import statistics
-from typing import Literal
 
 import numpy as np
 
@@ -83,7 +82,7 @@ class GenerationWatch:
         self.gpus: dict[str, list[GpuHealth]] = {}
         self.window: list[float] = []  # the current window's step times
         self.healthy: list[float] = []  # medians of consecutive healthy windows, for the fleet's baseline
-        self.restored_from: Literal["memory", "storage"] | None = None
+        self.restored_from = input.restored_from
         self.straggler_s = 0.0  # what the stragglers and slowdowns this generation knows of cost so far
         self.next_tally = now + input.tally_s
         self.next_progress = now + input.progress_s
@@ -204,6 +203,7 @@ class GenerationWatch:
             "slowdown_known": self.slowdown_known,
             "await_first_step": self.await_first_step,
             "storage_outage": self.outage.model_dump() if self.outage else None,
+            "restored_from": self.restored_from,
         }
 
     # -- checkpoint storage --------------------------------------------------------------------

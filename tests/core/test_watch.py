@@ -29,6 +29,7 @@ from stayalive.core.protocol.telemetry import (
     NodeSteps,
     RankExited,
     RankStarted,
+    Resumed,
     StorageUnavailable,
     pack_steps,
 )
@@ -180,6 +181,17 @@ def test_the_first_step_is_dated_when_it_was_done() -> None:
             seen.ingest.add(pack_steps(step, frame, ranks_per_node=2))
     (first,) = [e for e in seen.steps(now=5.0) if e.kind == "first_step"]
     assert (first.step, first.at) == (11, 1001.0)
+
+
+def test_a_monitor_taking_over_still_says_what_the_generation_resumed_from() -> None:
+    """The ranks say it once, before their first step; a retried monitor is not told again."""
+    first = watch(await_first_step=True, resume_step=10)
+    first.record("a", Resumed(rank=0, generation=2, step=10, source="memory", seconds=0.1), now=1.0)
+    known = first.knowledge()
+    taking_over = watch(await_first_step=True, resume_step=10, restored_from=known["restored_from"])
+    steps_done(taking_over, 11, 0.2, at=1001.0)
+    (step,) = [e for e in taking_over.steps(now=2.0) if e.kind == "first_step"]
+    assert step.restored_from == "memory"
 
 
 def steps_done(seen: GenerationWatch, step: int, step_s: float, at: float) -> None:

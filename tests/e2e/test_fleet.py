@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import time
 from collections import defaultdict
@@ -46,6 +47,7 @@ from stayalive.core.fleet.requests import (
     Retest,
     SelfTestInput,
 )
+from stayalive.core.fleet.rules import FleetError
 from stayalive.workers import cli
 from stayalive.workers.devstack import temporal_binary
 from stayalive.workers.node_agent import register as register_agent
@@ -288,6 +290,25 @@ async def test_continue_as_new_carries_the_whole_fleet(client: Client) -> None:
         assert await fleet.ask(Release(run_id="r1")) == [x]
 
 
+async def test_requests_that_never_pause_do_not_hold_off_continue_as_new(client: Client) -> None:
+    """Agents asking without end (a wide fleet's registrations and their retries) must not carry the
+    history to the server's hard limits: past `handover_history` the fleet hands over without the quiet
+    moment it waits for otherwise."""
+    settings = FleetInput(max_history=20, handover_history=60)
+    async with running_fleet(client, settings) as fleet:
+        first = client.get_workflow_handle(fleet.handle.id, run_id=fleet.handle.first_execution_run_id)
+        deadline = time.monotonic() + 60
+        for i in itertools.count():  # a request every half second: never the five quiet seconds
+            await fleet.ask(register(f"busy-{i % 8}"))
+            description = await first.describe()
+            if description.status == WorkflowExecutionStatus.CONTINUED_AS_NEW:
+                break
+            assert time.monotonic() < deadline, f"still one segment after {i + 1} requests"
+            await asyncio.sleep(0.5)
+        assert description.history_length <= 60 + 10, "handed over within a request of the limit"
+        assert {n.id for n in await fleet.handle.query(FleetWorkflow.nodes)} == {f"busy-{j}" for j in range(8)}
+
+
 @contextlib.asynccontextmanager
 async def cluster_fleet(client: Client) -> AsyncIterator[WorkflowHandle]:
     """The cluster's own fleet (`fleet-default` on `stayalive`), as node agents and the CLI find it,
@@ -313,6 +334,14 @@ async def test_a_node_agent_starts_the_fleet_with_its_registration(client: Clien
             "agent-1": (NodeState.HEALTHY, "10.0.0.1:7000"),
             "agent-2": (NodeState.SPARE, "10.0.0.2:7000"),
         }
+
+
+async def test_a_registration_the_fleet_would_refuse_is_refused_before_it_is_sent(client: Client) -> None:
+    async with cluster_fleet(client) as handle:
+        with pytest.raises(FleetError, match="is not host:port"):
+            await register_agent(client, "agent-9", "r1", False, "nowhere")
+        await register_agent(client, "agent-1", "r1", False, "10.0.0.1:7000")
+        assert [n.id for n in await handle.query(FleetWorkflow.nodes)] == ["agent-1"]
 
 
 async def test_a_node_agents_corrected_ecc_count_reaches_the_fleet_and_a_reload_restarts_its_trend(

@@ -55,7 +55,8 @@ async def test_an_auto_interval_that_changes_mid_generation_reaches_the_running_
     after = [gap for _, gap in gaps[switched:]]
     assert len(after) >= 2, f"checkpoints after the change: {samples}"
     assert gaps[switched][0] >= retuned.at, "the longer interval came with the command, not before it"
-    assert 0.8 * THEN_S < statistics.median(after) < 1.3 * THEN_S, after
+    # Steps/s over the last steps runs ahead of the steps before them on a loaded host: 1.5, not 1.3.
+    assert 0.8 * THEN_S < statistics.median(after) < 1.5 * THEN_S, after
     assert min(after) > 2 * FIRST_S, f"a checkpoint at the old interval after the ranks took the new one: {gaps}"
 
     health = await handle.query(RunWorkflow.health)

@@ -19,7 +19,10 @@ from stayalive.workers.devstack import process_alive
 from stayalive.workflows.run import RunWorkflow
 from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
 
-RUNS = 10
+# Runs in a row, each killing a rank on the other node than the last: the hang at exit this guards
+# against (torch._dynamo imported ahead of the script) struck cold and forked runs alike. Ten in a row
+# took three minutes of a two-core suite; where a script's exit is in doubt, raise it.
+RUNS = 3
 # An epoch of the tutorial script takes a tenth to a quarter of a second here: a kill after epoch 3 has
 # nine epochs (one to two seconds) to land mid-run, where it lands within a few tenths of a second.
 EPOCHS = 12
@@ -39,7 +42,7 @@ def epochs_run(snapshot: Path) -> int:
         return 0
 
 
-async def test_a_tutorial_shaped_ddp_script_completes_ten_times_in_a_row_with_a_rank_killed(
+async def test_a_tutorial_shaped_ddp_script_completes_run_after_run_with_a_rank_killed(
     client: Client, tmp_path: Path
 ) -> None:
     """examples/tutorial_ddp.py frees its DDP model after destroy_process_group, as the tutorials do.
