@@ -54,10 +54,9 @@ class Looks:
 
 
 PROMPT = Looks(first=(0.02, 0.05), most=1.0)  # a run's requests: a relaunch waits on them
-# A node agent's registration and reports: thousands of agents ask at once (a cluster coming up), each
-# with its own client, and none is in a hurry. Every look is a query the fleet's worker answers: at
-# 2,048 agents the prompt pace made about 2,000 a second, and the dev server refused most of them
-# ("consistent query buffer is full") while the registrations waited behind the rest.
+# A node agent's ECC reports: each agent has a client of its own, none is in a hurry, and every look
+# is a query the fleet's worker answers before its next workflow task (at 2,048 agents a look a second
+# each kept the fleet's tasks from completing; registrations therefore wait for no answer at all).
 PATIENT = Looks(first=(1.0, 5.0), most=20.0)
 LOOK_FOR = 256  # requests one look asks about (the longest waiting): it keeps each query small
 # Signals one client has in flight. The server takes a workflow's signals one at a time, under the same

@@ -44,6 +44,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
+from temporalio.service import RPCError
 
 from stayalive.core.run.spec import RunSpec
 from stayalive.sim.history import chain
@@ -203,7 +204,10 @@ async def measure(nodes: int, crashes: int, steady_s: float) -> dict[str, Any]:
 
         def generation_from(least: int) -> Callable[[], Awaitable[bool]]:
             async def reached() -> bool:
-                return (await handle.query(RunWorkflow.status_query)).generation >= least
+                try:
+                    return (await handle.query(RunWorkflow.status_query)).generation >= least
+                except RPCError:  # "Workflow is busy": a launch at 2,048 nodes holds its task; look again
+                    return False
 
             return reached
 

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import math
-import random
 import signal
 import time
 import uuid
@@ -29,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 import structlog
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.envconfig import ClientConnectConfig
 from temporalio.service import RPCError, RPCStatusCode
@@ -51,7 +50,6 @@ from stayalive.workflows.run import TASK_QUEUE
 
 log = structlog.get_logger()
 
-RESEND_AFTER = 120.0  # seconds a registration may take to show in the fleet before it is sent again
 ECC_REPORT_EVERY = 600.0  # seconds between a node's corrected-ECC reports while its count keeps rising
 
 
@@ -63,24 +61,22 @@ def default_memory_dir(node: str) -> Path:
 
 async def register(client: Client, node: str, rack: str, spare: bool, hub: str) -> None:
     """Tell the fleet this node is up and where its hub listens (host:port), starting the fleet's
-    workflow if this is its first node; return once the fleet knows it.
+    workflow if this is its first node; return once the server holds the registration.
 
-    The registration is a `request` signal (with start), and once the server holds it the fleet
-    applies it: unlike a run's activities, the agent does not wait on the fleet's answer. It looks,
-    a few seconds later and then less and less often, for its hub among the fleet's, and sends again
-    only if the fleet still lacks it after RESEND_AFTER (a fleet started afresh meanwhile): 2,048
-    agents looking for their answers every second kept the fleet's worker answering queries instead
-    of applying the registrations, and those not answered within a minute sent theirs again. Every
-    send carries the same request id, so the fleet applies it once."""
+    The registration is a `request` signal (with start): once the server holds it, the fleet applies
+    it in order with every other request, and a query of the fleet sees it. The agent waits for no
+    answer and queries nothing: a query is answered by the fleet's own worker, which answers the
+    queries queued for a workflow before its next workflow task (sdk-core), so 2,056 agents looking
+    for their answers held the fleet's tasks back until they timed out, and those not answered within
+    a minute sent their registrations again. What the fleet would refuse is refused here first."""
     try:
-        check_register(node, rack, hub)  # all the fleet would refuse: refused here, before anything is sent
+        check_register(node, rack, hub)
     except FleetError as refused:
         log.error("the fleet would refuse this node's registration", node=node, hub=hub, reason=str(refused))
         raise
     request = FleetRequest(
         id=f"register/{node}/{uuid.uuid4()}", op=RegisterNode(node=node, rack=rack, hub=hub, spare=spare)
     )
-    fleet = fleet_handle(client)
     while True:
         try:
             await client.start_workflow(
@@ -92,27 +88,12 @@ async def register(client: Client, node: str, rack: str, spare: bool, hub: str) 
                 start_signal="request",
                 start_signal_args=[request],
             )
-        except Exception as exc:  # Temporal is not up yet: keep asking
+        except Exception as exc:  # Temporal is not up yet: keep asking (the same id: applied once)
             log.warning("fleet registration not sent; retrying", node=node, error=str(exc))
             await asyncio.sleep(2.0)
-            continue
-        if await _known(fleet, node, hub):
+        else:
             log.info("registered with the fleet", node=node, hub=hub)
             return
-        log.warning("the fleet does not know this node yet; registering again", node=node, hub=hub)
-
-
-async def _known(fleet: WorkflowHandle[FleetWorkflow, None], node: str, hub: str) -> bool:
-    """Whether the fleet lists this node's hub within RESEND_AFTER, looking as PATIENT paces it."""
-    deadline = time.monotonic() + RESEND_AFTER
-    misses = 0
-    while time.monotonic() < deadline:
-        await asyncio.sleep(min(random.uniform(*PATIENT.first) * 2**misses, PATIENT.most))
-        with contextlib.suppress(RPCError):  # the fleet busy or starting: look again later
-            if (await fleet.query(FleetWorkflow.hubs, [node])).get(node) == hub:
-                return True
-        misses += 1
-    return False
 
 
 async def report_partitions(
