@@ -42,7 +42,9 @@ from stayalive.training.state_restore import RestoredState, restore_state
 
 RUN = "state/0000abcd"
 CONFIG = GPTConfig(vocab_size=20, **PRESETS["tiny"])
-OUTAGE_S = 1.5
+# Long enough that the four saves and step 5's write to host memory all fall inside it on a loaded
+# host: at 1.5 s, step 5 had not reached memory by the half-way look on a loaded two-core suite run.
+OUTAGE_S = 4.0
 
 
 def trained(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
