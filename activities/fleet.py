@@ -12,7 +12,7 @@ import functools
 import itertools
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -92,21 +92,16 @@ class FleetClient:
         *,
         id: str | None = None,
         within: float = ASK_WITHIN,
-        send: Callable[[FleetRequest], Awaitable[object]] | None = None,
     ) -> R:
         """Send `op` and return the fleet's result, or raise FleetRefused with the reason.
 
         `id` names the request: pass one that is the same on every attempt where a retry must not
-        apply it twice; the default is a fresh one. `send` delivers the request instead of a plain
-        signal (a node agent's registration starts the fleet with it). TimeoutError if no answer
-        comes within `within` seconds.
+        apply it twice; the default is a fresh one. TimeoutError if no answer comes within `within`
+        seconds.
         """
         request = FleetRequest(id=id or str(uuid.uuid4()), op=op)
         async with self._sending:
-            if send is None:
-                await self.handle.signal("request", request)
-            else:
-                await send(request)
+            await self.handle.signal("request", request)
         answer = await self._answer(request.id, within, f"{type(op).__name__} request {request.id}")
         if answer.error is not None:
             raise FleetRefused(answer.error)

@@ -67,13 +67,13 @@ with workflow.unsafe.imports_passed_through():
 
 SHOWN_PER_STATE = 8  # node ids listed per state in the web UI's current details
 # Before continuing as new, the fleet waits this long without a request: a run's activities (looking
-# at least every second) have read their answers by then. Node agents look less often (activities/
-# fleet.py PATIENT): theirs may be among the answers carried, or they ask again with the same id, and a
-# registration or ECC report applied twice changes nothing.
+# at least every second) have read their answers by then. A node agent's ECC report looks less often
+# (activities/fleet.py PATIENT): its answer may be among those carried, or it asks again with the same
+# id, and a reading applied twice changes nothing. Registrations wait for no answer.
 ANSWER_GRACE = timedelta(seconds=5)
-# ...but not for ever: requests that never pause (2,048 agents registering, then asking again) would
-# carry the history to the server's hard limits (10,000 signals, 51,200 events), after which it refuses
-# every request. Past this many events the fleet hands over at once.
+# ...but not for ever: requests that never pause (a whole cluster's agents registering) would carry the
+# history to the server's hard limits (10,000 signals, 51,200 events), after which it refuses every
+# request. Past this many events the fleet hands over at once.
 HANDOVER_HISTORY = 8_000
 
 
