@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +51,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     queue = beside + alone[len(beside) // 2 :] + light[len(beside) // 2 :] + longest_first
     place = {path: index for index, path in enumerate(queue)}
     items.sort(key=lambda item: place[item.path])  # stable
+
+
+LOG_TAIL = 30  # lines of each of the stack's logs a failed test's report carries
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed end-to-end test's report ends with the end of each log of the stack it used (server,
+    supervisor, agents): CI keeps only the suite's output, and a run that stalled there says why only
+    in those logs."""
+    report: pytest.TestReport = yield
+    if report.failed and call.when != "teardown":
+        for log in sorted({path for stack in stacks_of(item) for path in (stack.state_dir / "logs").glob("*.log")}):
+            tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            report.sections.append((f"end of {log.name}", "\n".join(tail)))
+    return report
+
+
+def stacks_of(item: pytest.Item) -> list[DevStack]:
+    """The dev stacks a test's fixtures handed it, on their own or in a tuple."""
+    values = list(getattr(item, "funcargs", {}).values())
+    found = [v for v in values if isinstance(v, DevStack)]
+    return found + [v for t in values if isinstance(t, tuple) for v in t if isinstance(v, DevStack)]
 
 
 @pytest.fixture(scope="session")
