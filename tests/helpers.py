@@ -112,6 +112,11 @@ async def wait_for_step(client: Client, handle: WorkflowHandle, step: int, timeo
     collector = RecordCollector(client, handle, [node])
     try:
         await collector.caught_up(node, step, timeout)
+    except TimeoutError as exc:  # say where the run went instead
+        now = await handle.query(RunWorkflow.status_query)
+        said = [(i.cause.value, i.node, i.generation, i.detail) for i in now.interruptions]
+        where = f"the run is {now.state.value} in generation {now.generation} on {now.nodes}"
+        raise TimeoutError(f"{exc}; {where}, interrupted by {said}") from exc
     finally:
         records = await collector.stop()
     return max(r.step for r in step_reports([r for r in records if r.node == node]))
