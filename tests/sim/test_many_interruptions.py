@@ -1,9 +1,11 @@
-"""A run driven through 320 interruptions: the real RunWorkflow, simulated activities (sim/), on
+"""A run driven through 160 interruptions: the real RunWorkflow, simulated activities (sim/), on
 `temporal server start-dev`, recording the history a production server would. One run, shared by the
 tests below, each checking one promise:
 
 - docs/architecture.md §4: history grows with decisions, not with steps (at most 50 events per
-  interruption), and the run continues-as-new when the server suggests it (4,096 events);
+  interruption), and the run continues-as-new when the server suggests it (4,096 events by default;
+  here the server's `limit.historyCount.suggestContinueAsNew` is 1,024, so that the run crosses it
+  twice in half the interruptions and half the time);
 - at the end the run is complete, and so are its timeline and its goodput ledger.
 
 The time-skipping test server ran the same run beside it until the suite outgrew its 20 minutes on two
@@ -36,15 +38,15 @@ from stayalive.workers.devstack import SEARCH_ATTRIBUTES, temporal_binary
 from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
 from tests.helpers import tiny_spec
 
-# About a minute (the dev server persists every event). A crash costs its history 15 to 19 events
-# (fewer when a busy worker answers several in one workflow task: CI saw 250 stay under 4,096), so 320
-# pass the 4,096 at which the server suggests continue-as-new.
-INTERRUPTIONS = 320
+# Half a minute (the dev server persists every event). A crash costs its history 15 to 26 events
+# (fewer when a busy worker answers several in one workflow task), so 160 pass the 1,024 at which this
+# server suggests continue-as-new twice, and the timeline's INTERRUPTIONS_KEPT (128) once.
+INTERRUPTIONS = 160
 CHECKPOINT_EVERY = 100
 CRASH_AFTER = 150  # steps past the resume step: one checkpoint, then 50 steps lost, every generation
 EVENTS_PER_INTERRUPTION = 50  # the budget of docs/architecture.md §4
-SUGGESTED_AT = 4096  # the server suggests continue-as-new once history passes this many events
-STALL_S = 240  # a minute here, alone; a loaded CI host has taken twice that
+SUGGESTED_AT = 1024  # the server suggests continue-as-new once history passes this many events
+STALL_S = 180  # half a minute here, alone; a loaded CI host has taken twice that
 
 
 @dataclass
@@ -59,7 +61,10 @@ async def run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     async with await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(temporal_binary()),
         data_converter=pydantic_data_converter,
-        dev_server_extra_args=[arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)],
+        dev_server_extra_args=[
+            *(arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)),
+            *("--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={SUGGESTED_AT}"),
+        ],
     ) as env:
         return await simulate(env.client, tmp_path_factory.mktemp("checkpoints"), INTERRUPTIONS)
 
@@ -68,7 +73,7 @@ async def simulate(client: Client, root: Path, interruptions: int) -> FinishedRu
     spec = tiny_spec(
         root,
         target_step=CHECKPOINT_EVERY * (interruptions + 1),
-        failure_limit={"failures": interruptions},  # 300 crashes in half a minute: far above any real rate
+        failure_limit={"failures": interruptions},  # 160 crashes in half a minute: far above any real rate
         checkpoint={"root": str(root), "interval": f"{CHECKPOINT_EVERY} steps"},
     )
     schedule = FailureSchedule.crash_every_generation(interruptions, CRASH_AFTER, world_size=spec.world_size)
