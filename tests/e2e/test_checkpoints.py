@@ -58,23 +58,26 @@ DAMAGE = {
 async def test_a_damaged_checkpoint_is_caught_and_never_resumed_from(
     client: Client, checkpoint_root: Path, damage: str
 ) -> None:
-    # The crash comes at step 32: a rank reaches it only after every rank has finished step 31's
-    # all-reduce, so after every rank's save at step 30 waited out its write of step 20. Step 20 is
-    # then committed and damaged for sure (a crash at 25 could beat its write on a loaded host). Step
-    # 30, still being written, is damaged too, so the newest checkpoint that can be resumed is 10.
+    # Steps 20 and 30 are damaged once committed, and a rank dies at step 38. A save still waiting for
+    # storage when the next one arrives never commits (training/flusher.py): on a loaded host step 20
+    # (or 10) may be such a one, and step 30 may still be on its way at the crash. Whatever committed
+    # after step 10 was damaged, so the run resumes from the newest checkpoint at or before 10.
     faults = [
         {"kind": "corrupt_checkpoint", "at_step": 20, "damage": damage, "shard": 2},
         {"kind": "corrupt_checkpoint", "at_step": 30, "damage": damage, "shard": 2},
-        {"kind": "crash", "rank": 1, "at_step": 32},
+        {"kind": "crash", "rank": 1, "at_step": 38},
     ]
     handle = await start(client, tiny_spec(checkpoint_root, target_step=40, faults=faults), f"damage-{damage}")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
-    assert [(i.cause, i.resumed_from) for i in result.interruptions] == [(Cause.CRASH, 10)]
     checkpoints = await handle.query(RunWorkflow.checkpoints)
-    damaged = next(c for c in checkpoints if c.step == 20 and c.generation == 0)
-    assert damaged.validated is False
-    assert DAMAGE[damage] in damaged.reason
+    first = [c for c in checkpoints if c.generation == 0]
+    (crash,) = result.interruptions
+    assert crash.cause == Cause.CRASH
+    assert crash.resumed_from == max((c.step for c in first if c.validated), default=0) <= 10, first
+    damaged = [c for c in first if c.step in (20, 30) and not c.reason.startswith("never committed")]
+    assert damaged, f"neither damaged checkpoint committed before the crash: {first}"
+    assert all(c.validated is False and DAMAGE[damage] in c.reason for c in damaged), damaged
 
 
 async def test_a_writer_killed_mid_write_leaves_nothing_to_resume_from(client: Client, checkpoint_root: Path) -> None:
