@@ -61,13 +61,18 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed end-to-end test's report ends with the end of each log of the stack it used (server,
-    supervisor, agents): CI keeps only the suite's output, and a run that stalled there says why only
-    in those logs."""
+    supervisor, agents) that was written while the test ran: CI keeps only the suite's output, and a
+    run that stalled there says why only in those logs. The session stack's logs of other tests'
+    nodes are only named, or they would crowd out the ones that matter."""
     report: pytest.TestReport = yield
     if report.failed and call.when != "teardown":
-        for log in sorted({path for stack in stacks_of(item) for path in (stack.state_dir / "logs").glob("*.log")}):
+        logs = sorted({path for stack in stacks_of(item) for path in (stack.state_dir / "logs").glob("*.log")})
+        quiet = [log.name for log in logs if log.stat().st_mtime < call.start]
+        for log in (log for log in logs if log.name not in quiet):
             tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
             report.sections.append((f"end of {log.name}", "\n".join(tail)))
+        if quiet:
+            report.sections.append(("logs not written while the test ran", " ".join(quiet)))
     return report
 
 

@@ -298,15 +298,18 @@ async def test_a_checkpoint_the_runs_own_check_rejects_is_never_resumed(client: 
         "interval": "30 steps",
         "validation": ["python", "tests/training/api_check.py", "--reject-step", "30"],
     }
-    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--step-ms", "150"]
-    # The check is a process per checkpoint (python, torch, a load): its verdicts trail the run by
-    # seconds, and the kill must come while the run still trains. Checkpoints 4.5 s apart do not queue
-    # their checks (at 1.5 s a loaded CI host judged step 10 after all of a 9 s run); step 30's verdict
-    # has the 12 s of steps after it.
-    spec = loop_spec(root, out, samples, target_step=110, checkpoint=checkpoint, entrypoint=entrypoint)
+    # The check is a process per checkpoint (python, torch, a load): its verdict trails the run by
+    # seconds, by many on a loaded host. The ranks wait before step 35 until the verdict is in and the
+    # rank is killed (the step timeout outlasts that wait), so the kill always finds them training.
+    go = tmp_path / "go"
+    entrypoint = ["python", LOOP, "--out", str(out), "--samples", str(samples), "--hold", "35", str(go)]
+    spec = loop_spec(
+        root, out, samples, target_step=40, checkpoint=checkpoint, entrypoint=entrypoint, health={"step_timeout": 300}
+    )
     handle = await start(client, spec, "user-loop-check")
     status = await wait_until(handle, lambda s: any(c.step == 30 for c in s.checkpoints), timeout=120)
     os.kill((await rank_pids(client, handle))["n1"][1], signal.SIGKILL)
+    go.touch()
     (rejected,) = status.checkpoints
     assert not rejected.validated
     assert "step 30: the forward pass is not what this model should give" in rejected.reason

@@ -70,6 +70,12 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--step-ms", type=float, default=0.0, help="accelerator time to add to every step")
+    parser.add_argument(
+        "--hold",
+        nargs=2,
+        metavar=("STEP", "FILE"),
+        help="before STEP, wait until FILE exists: a test's way to keep the ranks training at a known step",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -100,6 +106,9 @@ def main() -> None:
         model, optimizer, dataloader=loader, target_step=args.steps, exact_resume=exact, rejoin_in_place=args.in_place
     )
     for step in run.steps():
+        if args.hold and step == int(args.hold[0]):
+            while not Path(args.hold[1]).exists():
+                time.sleep(0.05)
         rank, world = run.rank, run.world_size  # another place in another group, once rejoined in place
         loader.rank, loader.world = rank, world
         before = loader.state_dict()
