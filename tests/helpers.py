@@ -157,6 +157,12 @@ async def fleet_nodes(client: Client) -> dict[str, FleetNode]:
     return {n.id: n for n in await fleet.query(FleetWorkflow.nodes)}
 
 
+def free(names: list[str]) -> Callable[[dict[str, FleetNode]], bool]:
+    """For `wait_for_fleet`: each of these nodes usable and in no run (the fleet's others may be
+    quarantined or busy: earlier tests leave them so)."""
+    return lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in names)
+
+
 async def wait_for_fleet(
     client: Client, predicate: Callable[[dict[str, FleetNode]], bool], timeout: float = 60
 ) -> None:

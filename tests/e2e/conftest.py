@@ -13,15 +13,13 @@ from temporalio.client import Client, WorkflowFailureError
 from harness.tiny import REFERENCE_STEPS, final_state
 from stayalive.core.run.lifecycle import RunState
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import start, tiny_spec, wait_for_fleet
+from tests.helpers import free, start, tiny_spec, wait_for_fleet
 
 
 @pytest.fixture(autouse=True)
 async def settled_fleet(client: Client) -> None:
     """n1, n2, n3 usable and free: the self-tests and releases of earlier tests are over."""
-    await wait_for_fleet(
-        client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2", "n3"))
-    )
+    await wait_for_fleet(client, free(["n1", "n2", "n3"]))
 
 
 @pytest.fixture(autouse=True)

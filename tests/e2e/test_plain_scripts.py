@@ -17,7 +17,7 @@ from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import process_alive
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import ROOT, rank_pids, wait_for_fleet, wait_until, workflow_id
+from tests.helpers import ROOT, free, rank_pids, wait_for_fleet, wait_until, workflow_id
 
 # Runs in a row, each killing a rank on the other node than the last: the hang at exit this guards
 # against (torch._dynamo imported ahead of the script) struck cold and forked runs alike. Ten in a row
@@ -49,12 +49,10 @@ async def test_a_tutorial_shaped_ddp_script_completes_run_after_run_with_a_rank_
     Forked from the warm server, with a rank killed mid-run, every rank must still exit by itself:
     a run that needed the exit grace would record its lingering ranks."""
     for i in range(RUNS):
-        await wait_for_fleet(
-            client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in nodes)
-        )
         snapshot = tmp_path / f"snapshot-{i}.pt"
         entrypoint = ["python", "examples/tutorial_ddp.py", "--epochs", str(EPOCHS), "--snapshot", str(snapshot)]
         spec = plain_spec(entrypoint, tmp_path, exit_grace="60s")
+        await wait_for_fleet(client, free(spec.nodes))
         handle = await client.start_workflow(RunWorkflow.run, spec, id=workflow_id("tutorial"), task_queue="stayalive")
         deadline = time.monotonic() + 60
         while epochs_run(snapshot) < KILL_AFTER:

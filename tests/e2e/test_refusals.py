@@ -11,7 +11,7 @@ from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
 from stayalive.workers.devstack import DevStack
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import ROOT, wait_for_fleet, workflow_id
+from tests.helpers import ROOT, free, wait_for_fleet, workflow_id
 
 
 async def test_nccl_on_nodes_without_cuda_fails_at_launch_and_starts_no_rank(
@@ -31,9 +31,7 @@ async def test_nccl_on_nodes_without_cuda_fails_at_launch_and_starts_no_rank(
     assert "use backend gloo" in result.failure
     assert result.interruptions == [], "a refusal is not a node failure: nothing to restart, nobody quarantined"
     assert not list(stack.state_dir.glob(f"nodes/*/runs/{result.run_id}/*/rank-*.log")), "no rank was started"
-    await wait_for_fleet(
-        client, lambda nodes: all(nodes[n].state.usable and nodes[n].run_id is None for n in ("n1", "n2"))
-    )
+    await wait_for_fleet(client, free(["n1", "n2"]))
 
 
 async def test_a_workdir_missing_on_the_nodes_fails_at_launch_with_the_reason(
