@@ -82,7 +82,9 @@ async def test_every_rank_slower_together_is_environmental_and_evicts_nobody(
     assert result.state == RunState.COMPLETED
     assert result.interruptions == [], "nobody evicted"
     detections = await handle.query(RunWorkflow.detections)
-    assert [d.kind for d in detections] == ["slowdown"], "the relative check sees nothing: every rank is slow alike"
+    assert [d.kind for d in detections] == ["slowdown"], (
+        f"one slowdown, no straggler: every rank is slow alike; {detections}"
+    )
     (slowdown,) = detections
     assert slowdown.diagnosis == "environmental"
     assert slowdown.paging is not None and slowdown.paging.paging == PagingClass.CORRELATED
