@@ -138,6 +138,10 @@ class NodeHub:
                 await self._answer(first, writer)
         except (ConnectionError, ValidationError, CheckpointError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.warning("hub connection dropped", node=self.node, error=str(exc))
+        except asyncio.CancelledError:
+            # The agent is stopping: its loop cancels the connections still open. Ended, not raised:
+            # Python 3.11's stream callback asks a cancelled handler for its exception and logs an error.
+            pass
         finally:
             writer.close()
 
