@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
 
 from harness.tiny import REFERENCE_STEPS as TARGET
 from harness.tiny import final_state
 from stayalive.core.run.lifecycle import RunState
-from stayalive.core.run.status import CheckpointRecord
 from stayalive.core.run.timeline import Cause
 from stayalive.training.checkpoint import dcp_file
 from stayalive.workers.devstack import DevStack
@@ -46,13 +45,6 @@ async def test_killed_three_times_ends_bitwise_identical(
     assert_bitwise_equal(final_state(checkpoints), reference_run)
 
 
-async def every_record(handle: WorkflowHandle) -> list[CheckpointRecord]:
-    """The run's checkpoint records, refused ones included: retention deletes a refused checkpoint,
-    and its record moves from the kept ones to the rejected ones."""
-    status = await handle.query(RunWorkflow.status_query)
-    return [*status.checkpoints, *status.rejected_checkpoints]
-
-
 DAMAGE = {
     "truncate_shard": "bytes, manifest says",
     "flip_byte": "does not match its SHA-256",
@@ -78,7 +70,7 @@ async def test_a_damaged_checkpoint_is_caught_and_never_resumed_from(
     handle = await start(client, tiny_spec(checkpoint_root, target_step=40, faults=faults), f"damage-{damage}")
     result = await handle.result()
     assert result.state == RunState.COMPLETED
-    first = [c for c in await every_record(handle) if c.generation == 0]
+    first = [c for c in await handle.query(RunWorkflow.checkpoints) if c.generation == 0]
     (crash,) = result.interruptions
     assert crash.cause == Cause.CRASH
     assert crash.resumed_from == max((c.step for c in first if c.validated), default=0) <= 10, first
@@ -93,7 +85,8 @@ async def test_a_writer_killed_mid_write_leaves_nothing_to_resume_from(client: C
     result = await handle.result()
     assert result.state == RunState.COMPLETED
     assert [(i.cause, i.rank, i.resumed_from) for i in result.interruptions] == [(Cause.CRASH, 2, 10)]
-    torn = next(c for c in await every_record(handle) if c.step == 20 and c.generation == 0)
+    checkpoints = await handle.query(RunWorkflow.checkpoints)
+    torn = next(c for c in checkpoints if c.step == 20 and c.generation == 0)
     assert torn.validated is False and "never committed" in torn.reason
     assert not list(Path(torn.path).parent.glob(".step-*.tmp")), "the torn write was cleaned up"
 
