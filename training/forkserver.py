@@ -50,23 +50,22 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-# What a rank imports, by the kind of entrypoint: one server per kind (agent/forkserver.py). A
-# script that uses the training API imports DCP and `stayalive.Run` (1.5 and 0.5 s of CPU here, in
-# every rank of every generation); one that does not loses nothing by their being imported: a fork
-# shares the pages. stayalive's trainer also gets torch._dynamo, which a process's first optimizer
-# step imports (0.8 s of CPU). A foreign script does not: imported before its first step,
-# torch._dynamo made a tutorial-shaped DDP script (its model freed after destroy_process_group) hang
-# at exit in 2-5 runs of 6, cold processes as well as forked ones, and never without it (torch 2.13,
-# gloo: ~ProcessGroupGloo joins a worker that waits for the GIL). The trainer leaves with os._exit.
-API = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "stayalive.training.run",  # what `stayalive.Run` and `init_process_group` load on first use
-)
+# What a rank imports, by the kind of entrypoint: one server per kind (agent/forkserver.py).
+# stayalive's trainer also gets torch._dynamo, which a process's first optimizer step imports (0.8 s
+# of CPU). A foreign script does not: imported before its first step, torch._dynamo made a
+# tutorial-shaped DDP script (its model freed after destroy_process_group) hang at exit in 2-5 runs
+# of 6, cold processes as well as forked ones, and never without it (torch 2.13, gloo:
+# ~ProcessGroupGloo joins a worker that waits for the GIL). The trainer leaves with os._exit.
 PROFILES = {
-    "trainer": (*API, "torch._dynamo", "stayalive.training.train"),
-    "script": API,
+    "trainer": (
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",
+        "torch.distributed.checkpoint",
+        "stayalive.training.train",
+        "stayalive.training.run",  # what `stayalive.Run` and `init_process_group` load on first use
+    ),
+    "script": ("torch", "torch.distributed"),
 }
 TRAINER_MODULE = "stayalive.training.train"
 _PR_SET_PDEATHSIG = 1
