@@ -36,12 +36,18 @@ def fold(status: RunStatus, interruption: Interruption) -> None:
 
 
 def file_verdict(status: RunStatus, judged: CheckpointJudged) -> bool:
-    """One keeper verdict. True when it was news about the current generation's checkpoints; one
-    that arrives after its generation ended counts only for what retention deleted (the restart
-    judged storage itself), and one a restarted keeper judged again is known already."""
-    deleted(status, judged.deleted)
+    """One keeper verdict. True when it was news about the current generation's checkpoints. One
+    that arrives after its generation ended is news only if it refused a checkpoint: that record is
+    kept (it cannot change where the run resumes), since retention may already have deleted the
+    checkpoint the restart's storage scan would have judged again; a late valid one was judged
+    there. One a restarted keeper judged again is known already."""
     checkpoint = judged.checkpoint
-    if judged.generation != status.generation or any(c.path == checkpoint.path for c in status.checkpoints):
+    known = any(c.path == checkpoint.path for c in (*status.checkpoints, *status.rejected_checkpoints))
+    late = judged.generation != status.generation
+    if late and not known and (checkpoint.validated is False or checkpoint.suspect):
+        status.checkpoints.append(checkpoint)  # retention's list (below) moves it to the rejected ones
+    deleted(status, judged.deleted)
+    if late or known:
         return False
     status.verified_step = file_judged(status.checkpoints, status.verified_step, checkpoint)
     status.progress.step = max(status.progress.step, checkpoint.step)

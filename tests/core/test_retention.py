@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from stayalive.core.book import records
 from stayalive.core.book.findings import Judged
 from stayalive.core.book.runbook import RunBook
 from stayalive.core.decisions.goodput import ledger
@@ -97,3 +98,46 @@ def test_a_refused_checkpoint_deleted_by_retention_stays_readable() -> None:
     assert [c.step for c in book.status.checkpoints] == [10, 30]
     (refused,) = book.status.rejected_checkpoints
     assert refused.reason == bad.reason and book.status.deleted_checkpoints.count == 1
+
+
+# A verdict on generation 0's step 20 reaching the book after a crash ended generation 0: which
+# records hold step 20 afterwards, kept (resume candidates, retention's list) and rejected.
+LATE_VERDICTS = [
+    # Refused and still on storage: kept, so the next keeper's retention deletes it; never resumable.
+    ("refused", False, [], ["refused"], []),
+    # Refused and already deleted by retention: the restart's storage scan cannot find it, the
+    # verdict is the only record of the refusal left.
+    ("refused", True, [], [], ["refused"]),
+    # Valid: the restart judged storage itself, so the late verdict adds nothing.
+    ("valid", False, [], [], []),
+    # Refused, and the restart's storage scan filed it first: not twice.
+    ("refused", False, ["scan"], ["scan"], []),
+    # A suspect checkpoint is refused too.
+    ("suspect", False, [], ["suspect"], []),
+]
+
+
+@pytest.mark.parametrize(("verdict", "deleted_with_it", "filed", "kept", "rejected"), LATE_VERDICTS)
+def test_a_late_verdict_keeps_only_a_refusal_on_record(
+    verdict: str, deleted_with_it: bool, filed: list[str], kept: list[str], rejected: list[str]
+) -> None:
+    book = RunBook(status(started_at=START, first_step_at=START, generation=1))
+    late = record(20, 0.2, validated=verdict == "valid")
+    late.suspect, late.reason = verdict == "suspect", verdict
+    for reason in filed:
+        book.status.checkpoints.append(late.model_copy(update={"reason": reason}))
+    judged = CheckpointJudged(generation=0, checkpoint=late, deleted=[late.path] if deleted_with_it else [])
+    assert records.file_verdict(book.status, judged) is False, "no news about the running generation"
+    assert [c.reason for c in book.status.checkpoints if c.step == 20] == kept
+    assert [c.reason for c in book.status.rejected_checkpoints] == rejected
+    assert book.status.latest_valid_checkpoint() is None, "a late verdict never becomes a place to resume"
+
+
+def test_a_late_refusal_is_filed_once_however_often_it_arrives() -> None:
+    book = RunBook(status(started_at=START, first_step_at=START, generation=1))
+    late = record(20, 0.2, validated=False)
+    for deleted in ([], [late.path], []):
+        book.apply(Judged([CheckpointJudged(generation=0, checkpoint=late, deleted=deleted)]))
+    assert not book.status.checkpoints
+    assert [c.step for c in book.status.rejected_checkpoints] == [20]
+    assert book.status.deleted_checkpoints.count == 1
