@@ -42,6 +42,9 @@ from stayalive.core.run.status import Outage
 HEARTBEAT_SECONDS = 1.0
 TICK_SECONDS = 0.2  # how often silences, witnesses and the watchdog are looked at with nothing arriving
 VERDICT_WITHIN = 300.0  # the held or final step's checkpoint is on storage; its verdict is a validation away
+# An ending read while a node's backlog is still coming (a monitor that took over) waits this long at
+# most for the steps before it: a hub sends its backlog before its first Beat, a second after it opens.
+CATCH_UP_SECONDS = 3.0
 
 
 def resumed_knowledge(beat: Heartbeat, input: MonitorInput) -> MonitorInput:
@@ -100,9 +103,13 @@ async def watch(
     judging_lag: Histogram,
 ) -> MonitorReport:
     """Fold every record and step frame into the generation's watch; signal its findings; return what
-    ended it. Records are acknowledged to their nodes with each heartbeat, never past an ending.
-    `judging_lag` observes how long after its newest report each step was judged."""
+    ended it, once every node's backlog is in (the steps completed before it are judged and their
+    findings signalled: a monitor taking over reads one node's crash before another's steps).
+    Records are acknowledged to their nodes with each heartbeat, never past an ending. `judging_lag`
+    observes how long after its newest report each step was judged."""
     now = time.monotonic()
+    ending: MonitorEvent | None = None
+    catch_up_until = 0.0
     seen = GenerationWatch(resumed_knowledge(beat, input), now, time.time())
     subscribe = Subscribe(
         run_id=input.run_id,
@@ -135,17 +142,22 @@ async def watch(
                 return MonitorReport(generation=input.generation, event=ended)
             for event in events:
                 if ends_generation(event):
-                    return MonitorReport(generation=input.generation, event=event)
-                if isinstance(event, RanksFinished):
+                    if ending is None:
+                        ending, catch_up_until = event, now + CATCH_UP_SECONDS
+                    continue
+                if isinstance(event, RanksFinished) and ending is None:
                     return MonitorReport(generation=input.generation, event=await _with_verdict(event, input, handover))
                 if event is not None:
                     if not await signal_run(MONITOR_REPORT, MonitorReport(generation=input.generation, event=event)):
                         await _until_cancelled(beat)
                     seen.reported(event, now)
+            if ending is not None and (not streams.behind() or now >= catch_up_until):
+                return MonitorReport(generation=input.generation, event=ending)
             if now >= next_beat:
                 beat(progress=seen.summary().model_dump(), **seen.knowledge())
                 streams.keepalive()
-                if seen.witness is None:  # a witness's record must be read again by a monitor that replaces this one
+                # A witness's record, or an ending's, must be read again by a monitor that replaces this one.
+                if seen.witness is None and ending is None:
                     streams.ack(places)
                 next_beat = now + HEARTBEAT_SECONDS
 

@@ -4,7 +4,9 @@ when the line drops.
 
 Step batches arrive as binary frames and go straight to `on_frame` (kept as bytes, decoded in bulk
 later); every other record is queued in arrival order. Anything an agent sends, a Beat included,
-counts as hearing from it: a node the reader has not heard from for long is silent, not quiet.
+counts as hearing from it: a node the reader has not heard from for long is silent, not quiet. A
+hub sends its first Beat only once it has sent every record it held, so a stream that has brought
+one since it opened is caught up: a monitor taking over reads minutes of records at once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class NodeStreams:
         self.records: asyncio.Queue[Record] = asyncio.Queue()
         self.heard = dict.fromkeys(hubs, time.monotonic())  # node → when it last sent anything
         self.read: dict[str, int] = {}  # node → the newest seq read (frames included)
+        self.caught_up: set[str] = set()  # nodes whose stream has brought a Beat since it opened
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._acked: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,6 +71,10 @@ class NodeStreams:
                     writer.write(Ack(seq=seq).model_dump_json().encode() + b"\n")
                     self._acked[node] = seq
 
+    def behind(self) -> list[str]:
+        """Nodes connected whose backlog has not all arrived yet."""
+        return [node for node in self._writers if node not in self.caught_up]
+
     async def next(self, timeout: float) -> Record | None:
         """The next record from any node, or None after `timeout` seconds of nothing."""
         try:
@@ -92,6 +99,7 @@ class NodeStreams:
             try:
                 reader, writer = await open_hub(hub, self.subscribe, self.secret)
                 self._writers[node], self._acked[node] = writer, 0
+                self.caught_up.discard(node)
                 backoff = 0.2
                 while mark := await reader.read(1):
                     self.heard[node] = time.monotonic()
@@ -103,6 +111,7 @@ class NodeStreams:
                     line = mark + await reader.readline()
                     if line.startswith(b'{"t":"beat"'):
                         Beat.model_validate_json(line)  # the agent is alive; nothing to file
+                        self.caught_up.add(node)
                         continue
                     if line.startswith(b'{"t":"refused"'):
                         raise ConnectionRefusedError(Refused.model_validate_json(line).error)

@@ -15,8 +15,9 @@ is a task on its agent's event loop that speaks the rank's side of the protocol 
   its collective counts show;
 - on a stack dump it writes its counts and a stack, as faulthandler and training/collectives.py do;
 - an `exit` command ends it after the next step, Finished reported; a signal from its agent ends it
-  as it ends a process (exit status -N). It keeps no checkpoints: a run of emulated ranks is given
-  an interval it never reaches.
+  as it ends a process (exit status -N);
+- rank 0 commits a checkpoint every `checkpoint.interval` steps and at the target step, for the
+  whole world (sim/emulated_checkpoint.py), and says so as the rank that commits one does.
 
 An entrypoint `["emulated-rank", "--step-seconds", "1.0"]` asks for one.
 """
@@ -41,8 +42,9 @@ import torch.distributed as dist
 from stayalive.activities.hubs import open_hub
 from stayalive.agent.processes import RankProcess
 from stayalive.core.judgement.hangs import CollectiveProgress, Site
-from stayalive.core.protocol.telemetry import Command, Finished, Hello, RankSteps, to_rank
+from stayalive.core.protocol.telemetry import CheckpointCommitted, Command, Finished, Hello, RankSteps, to_rank
 from stayalive.core.run.faults import CollectiveHang, Crash, Hang
+from stayalive.sim.emulated_checkpoint import commit
 from stayalive.training.checkpoint import parse_checkpoint_dirname
 from stayalive.training.step_reports import batch_steps
 from stayalive.training.supervision import SupervisionConfig
@@ -180,11 +182,29 @@ class EmulatedRank(RankProcess):
             pending.append((step, time.time()))
             if step % batch == 0 or stopping.is_set():
                 self._send(writer, pending, compute)
+            if self.rank == 0 and (
+                step == config.target_step or (config.every_steps and step % config.every_steps == 0)
+            ):
+                self._send(writer, pending, compute)  # a step's report comes before its checkpoint's commit
+                await self._commit(config, step, writer)
             if stopping.is_set():
                 break
         self._send(writer, pending, compute)
         writer.write(Finished(rank=self.rank, generation=self.generation, step=step).model_dump_json().encode() + b"\n")
         self._end(0)
+
+    async def _commit(self, config: SupervisionConfig, step: int, writer: asyncio.StreamWriter) -> None:
+        started = time.monotonic()
+        path = await asyncio.to_thread(commit, config, step, int(self.env["WORLD_SIZE"]))
+        committed = CheckpointCommitted(
+            rank=self.rank,
+            generation=self.generation,
+            step=step,
+            path=str(path),
+            blocking_s=time.monotonic() - started,
+            at=time.time(),
+        )
+        writer.write(committed.model_dump_json().encode() + b"\n")
 
     def _send(self, writer: asyncio.StreamWriter, pending: list[tuple[int, float]], compute: float = 0.0) -> None:
         if not pending:

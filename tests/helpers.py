@@ -8,11 +8,13 @@ import fcntl
 import itertools
 import json
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client, WorkflowHandle
 
 from harness.records import RecordCollector, hubs, read_records, step_reports
@@ -199,3 +201,15 @@ class Webhook:
 
         self.server = HTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/page"
+
+
+def steps_judged(metrics_url: str, run: str) -> float:
+    """How many steps a supervisor worker's monitors judged for the run, from its /metrics."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "stayalive_monitor_judging_lag_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_count") and sample.labels["run_id"] == run
+    )

@@ -189,10 +189,12 @@ class DevStack:
             return False
         return answer.returncode == 0 and "SERVING" in answer.stdout
 
-    def start_supervisor(self) -> None:
+    def start_supervisor(self, name: str = "supervisor", metrics_port: int | None = None) -> None:
+        """A supervisor worker on the run's task queue. Others (their own names and /metrics ports)
+        share its work: Temporal gives any of them any workflow task or activity."""
         argv = [sys.executable, "-m", "stayalive.workers.supervisor", "--address", self.address]
-        argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(self.metrics_port)]
-        self.spawn("supervisor", argv)
+        argv += ["--secret-file", str(self.secret_file), "--metrics-port", str(metrics_port or self.metrics_port)]
+        self.spawn(name, argv)
 
     @property
     def memory_dir(self) -> Path:

@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import WorkflowHandle
 
 from stayalive.core.run.spec import RunSpec
@@ -24,6 +22,7 @@ from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.run import TASK_QUEUE, RunWorkflow
+from tests.helpers import steps_judged
 
 NODES = 32
 RANKS_PER_NODE = 4
@@ -66,18 +65,6 @@ def spec(root: Path) -> RunSpec:
             ],
             "health": {"step_timeout": "5s"},
         }
-    )
-
-
-def steps_judged(metrics_url: str, run: str) -> float:
-    """How many steps the supervisor's monitors judged for the run, from its /metrics."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "stayalive_monitor_judging_lag_seconds"
-        for sample in family.samples
-        if sample.name.endswith("_count") and sample.labels["run_id"] == run
     )
 
 
