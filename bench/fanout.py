@@ -48,7 +48,7 @@ from temporalio.service import RPCError
 
 from stayalive.core.run.spec import RunSpec
 from stayalive.sim.history import chain
-from stayalive.sim.hub_farm import farm_command, node_name, until
+from stayalive.sim.hub_farm import farm_command, farm_spec, node_name, until
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
@@ -77,20 +77,16 @@ def spec(nodes: int, root: Path, crashes: int, steady_steps: int) -> RunSpec:
         return {"kind": "crash", "rank": (g * 997 + 3) % world, "at_step": at_step, "generation": g}
 
     hang = {"kind": "collective_hang", "rank": world // 2 + 5, "at_step": steady_steps, "generation": crashes}
-    return RunSpec.model_validate(
-        {
-            "name": f"fanout-{nodes}",
-            "world_size": world,
-            "ranks_per_node": RANKS_PER_NODE,
-            "nodes": [node_name(i) for i in range(nodes)],
-            "spare_nodes": [node_name(nodes + i) for i in range(SPARES)],
-            "min_nodes": nodes,
-            "entrypoint": ["emulated-rank", "--step-seconds", f"{STEP_S:g}"],
-            "target_step": 1_000_000,
-            "checkpoint": {"root": str(root / "checkpoints"), "interval": "1000000 steps"},
-            "faults": [*map(crash, range(crashes)), hang],
-            "health": {"step_timeout": "10s"},
-        }
+    return farm_spec(
+        f"fanout-{nodes}",
+        nodes,
+        RANKS_PER_NODE,
+        SPARES,
+        STEP_S,
+        target_step=1_000_000,
+        checkpoint={"root": str(root / "checkpoints"), "interval": "1000000 steps"},
+        faults=[*map(crash, range(crashes)), hang],
+        health={"step_timeout": "10s"},
     )
 
 

@@ -35,7 +35,8 @@ from stayalive.agent.gpu import SimulatedTelemetry
 from stayalive.agent.hub import NodeHub
 from stayalive.agent.node import NodeAgent
 from stayalive.core.messages.control import AgentAnswer, AgentRequest, Started, StartRanks
-from stayalive.sim.emulated_rank import EmulatedRank
+from stayalive.core.run.spec import RunSpec
+from stayalive.sim.emulated_rank import ENTRYPOINT, EmulatedRank
 from stayalive.training.logs import configure_logging
 from stayalive.workers.devstack import DevStack
 from stayalive.workers.node_agent import on_duty
@@ -58,6 +59,21 @@ RESOLVER_OPTIONS = "timeout:1 attempts:1"
 
 def node_name(index: int) -> str:
     return f"n{index:05d}"
+
+
+def farm_spec(name: str, nodes: int, ranks_per_node: int, spares: int, step_seconds: float, **fields: Any) -> RunSpec:
+    """A run of emulated ranks stepping every `step_seconds` on the farm's first `nodes` nodes, the
+    next `spares` its spares; `fields` the rest of its spec (target_step, checkpoint, faults, …)."""
+    spec = {
+        "name": name,
+        "world_size": nodes * ranks_per_node,
+        "ranks_per_node": ranks_per_node,
+        "nodes": [node_name(i) for i in range(nodes)],
+        "spare_nodes": [node_name(nodes + i) for i in range(spares)],
+        "min_nodes": nodes,
+        "entrypoint": [ENTRYPOINT, "--step-seconds", f"{step_seconds:g}"],
+    }
+    return RunSpec.model_validate(spec | fields)
 
 
 async def until(ready: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:

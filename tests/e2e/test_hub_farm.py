@@ -17,7 +17,7 @@ from temporalio.client import WorkflowHandle
 
 from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.timeline import Cause
-from stayalive.sim.hub_farm import farm_command, node_name, until
+from stayalive.sim.hub_farm import farm_command, farm_spec, node_name, until
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
@@ -48,23 +48,19 @@ async def farm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DevSta
 
 
 def spec(root: Path) -> RunSpec:
-    return RunSpec.model_validate(
-        {
-            "name": "farm",
-            "world_size": NODES * RANKS_PER_NODE,
-            "ranks_per_node": RANKS_PER_NODE,
-            "nodes": [node_name(i) for i in range(NODES)],
-            "spare_nodes": [node_name(NODES + i) for i in range(SPARES)],
-            "min_nodes": NODES,
-            "entrypoint": ["emulated-rank", "--step-seconds", "0.5"],
-            "target_step": 1_000_000,
-            "checkpoint": {"root": str(root), "interval": "1000000 steps"},
-            "faults": [
-                {"kind": "crash", "rank": CRASHED, "at_step": 4, "generation": 0},
-                {"kind": "collective_hang", "rank": CULPRIT, "at_step": 8, "generation": 1},
-            ],
-            "health": {"step_timeout": "5s"},
-        }
+    return farm_spec(
+        "farm",
+        NODES,
+        RANKS_PER_NODE,
+        SPARES,
+        0.5,
+        target_step=1_000_000,
+        checkpoint={"root": str(root), "interval": "1000000 steps"},
+        faults=[
+            {"kind": "crash", "rank": CRASHED, "at_step": 4, "generation": 0},
+            {"kind": "collective_hang", "rank": CULPRIT, "at_step": 8, "generation": 1},
+        ],
+        health={"step_timeout": "5s"},
     )
 
 

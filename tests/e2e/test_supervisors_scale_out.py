@@ -17,7 +17,7 @@ from temporalio.client import WorkflowHandle
 from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.timeline import Cause
-from stayalive.sim.hub_farm import farm_command, node_name, until
+from stayalive.sim.hub_farm import farm_command, farm_spec, node_name, until
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
@@ -61,19 +61,15 @@ async def supervised_farm(tmp_path_factory: pytest.TempPathFactory) -> AsyncIter
 
 
 def spec(root: Path) -> RunSpec:
-    return RunSpec.model_validate(
-        {
-            "name": "scale-out",
-            "world_size": NODES * RANKS_PER_NODE,
-            "ranks_per_node": RANKS_PER_NODE,
-            "nodes": [node_name(i) for i in range(NODES)],
-            "spare_nodes": [node_name(NODES + i) for i in range(SPARES)],
-            "min_nodes": NODES,
-            "entrypoint": ["emulated-rank", "--step-seconds", "0.5"],
-            "target_step": TARGET,
-            "checkpoint": {"root": str(root), "interval": f"{INTERVAL} steps"},
-            "faults": [{"kind": "crash", "rank": CRASHED, "at_step": CRASH_AT, "generation": 0}],
-        }
+    return farm_spec(
+        "scale-out",
+        NODES,
+        RANKS_PER_NODE,
+        SPARES,
+        0.5,
+        target_step=TARGET,
+        checkpoint={"root": str(root), "interval": f"{INTERVAL} steps"},
+        faults=[{"kind": "crash", "rank": CRASHED, "at_step": CRASH_AT, "generation": 0}],
     )
 
 
