@@ -85,6 +85,7 @@ class DevStack:
     # server then listens on every interface (the dev server's own services dial it on loopback).
     ip: str = "127.0.0.1"
     interface: str | None = None
+    temporal_flags: list[str] = field(default_factory=list)  # more flags of `temporal server start-dev`
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -169,7 +170,7 @@ class DevStack:
             *(arg for attribute in SEARCH_ATTRIBUTES for arg in ("--search-attribute", attribute)),
         ]
         argv += ["--ui-port", str(self.ui_port)] if self.ui_port else ["--headless"]
-        self.spawn("temporal", argv)
+        self.spawn("temporal", [*argv, *self.temporal_flags])
         deadline = time.monotonic() + timeout
         while not self.serving():
             if self.processes["temporal"].poll() is not None or time.monotonic() > deadline:
