@@ -77,6 +77,7 @@ LOADS_TORCH = {
     "agent/memory_test.py",
     "workers/node_agent.py",
     "sim/emulated_rank.py",  # its store client is torch's, as a rank's is
+    "sim/emulated_checkpoint.py",  # DCP writes what a rank commits
     "sim/hub_farm.py",
 }
 
