@@ -35,7 +35,7 @@ from harness.tiny import TINY_ENTRYPOINT
 from stayalive.core.fleet.model import FleetNode, Quarantine
 from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
-from stayalive.core.run.status import RunStatus
+from stayalive.core.run.status import RunResult, RunStatus
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle, fleet_id
@@ -105,7 +105,7 @@ async def operator(client: Client, stack: DevStack, root: Path) -> WorkflowHandl
 async def chain(client: Client, stack: DevStack, root: Path) -> WorkflowHandle:
     run = spec(root, target_step=1_000_000, world_size=2, ranks_per_node=1)
     await client.start_workflow(RunWorkflow.run, run, id="chain", task_queue=TASK_QUEUE)
-    handle = client.get_workflow_handle_for(RunWorkflow.run, "chain")  # whichever execution is the run's now
+    handle: WorkflowHandle[RunWorkflow, RunResult] = client.get_workflow_handle("chain")  # its newest execution
     for generation in range(1, 100):
         await until(handle, running(generation - 1))
         if len(await executions(client, "chain")) > 2:

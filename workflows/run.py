@@ -61,11 +61,6 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.run.timeline import Classification, Detection, Interruption
 
 TASK_QUEUE = "stayalive"
-# Continue-as-new waits for the next generation boundary, where there is nothing to re-attach to; in
-# the middle of a generation only once the server's suggestion is this old (a long healthy stretch).
-REATTACH_AFTER = timedelta(minutes=10)
-
-
 class CarriedRun(BaseModel):
     """What continue-as-new hands to the next segment of the same run."""
 
@@ -392,7 +387,10 @@ class RunWorkflow:
         if self.inbox.pending():  # a person's request, or a partition, that this segment has not taken
             return False
         self.suggested_at = self.suggested_at or workflow.now()
-        return between_generations or workflow.now() - self.suggested_at >= REATTACH_AFTER
+        # Between generations there is nothing to re-attach to; in the middle of one, only once the
+        # suggestion is `health.reattach_after` old (a long healthy stretch).
+        reattach_after = timedelta(seconds=self.book.spec.health.reattach_after)
+        return between_generations or workflow.now() - self.suggested_at >= reattach_after
 
     def _checkpoint_seconds(self) -> float | None:
         return checkpoint_seconds(self.book.status)

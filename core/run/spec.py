@@ -185,6 +185,10 @@ class HealthSpec(_Spec):
     # have to exit. Those still running then are stopped and the run completes: a process that
     # lingers after its work (stuck in a destructor at exit) must not hold a finished run open.
     exit_grace: Seconds = Field(default=30.0, gt=0)
+    # Once the server suggests continue-as-new, a run does it where the next generation starts; a
+    # healthy generation that runs on this long past the suggestion continues as new in its middle,
+    # the next workflow segment re-attaching to the running ranks (no restart, no step lost).
+    reattach_after: Seconds = 600.0
 
     @model_validator(mode="after")
     def _fence_outlasts_a_monitor_handover(self) -> HealthSpec:
