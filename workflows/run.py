@@ -61,6 +61,8 @@ with workflow.unsafe.imports_passed_through():
     from stayalive.core.run.timeline import Classification, Detection, Interruption
 
 TASK_QUEUE = "stayalive"
+
+
 class CarriedRun(BaseModel):
     """What continue-as-new hands to the next segment of the same run."""
 
