@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -183,6 +184,15 @@ async def farm(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def open_files_as_the_host_allows() -> None:
+    """A farm holds sockets by the thousand (hubs, relays, store joins, its ranks' lines to their
+    agents): 64 nodes already take some 950, near a common default soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m stayalive.sim.hub_farm",
@@ -197,6 +207,7 @@ def main() -> None:
     add_temporal_flags(parser)
     add_secret_flag(parser)
     args = parser.parse_args()
+    open_files_as_the_host_allows()
     os.environ.setdefault("RES_OPTIONS", RESOLVER_OPTIONS)  # read by the C resolver at its first lookup
     configure_logging(node=f"farm-{node_name(args.first)}")
     asyncio.run(farm(args))
