@@ -31,7 +31,7 @@ from pathlib import Path
 
 from temporalio.client import Client, WorkflowHandle
 
-from harness.tiny import TINY_ENTRYPOINT
+from harness.tiny import tiny_spec
 from stayalive.core.fleet.model import FleetNode, Quarantine
 from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
@@ -45,18 +45,8 @@ SUGGEST_CONTINUE_AS_NEW_AT = 120  # events: the chain's pauses cross it twice
 
 
 def spec(root: Path, **overrides: object) -> RunSpec:
-    base: dict[str, object] = {
-        "name": "history",
-        "world_size": 4,
-        "ranks_per_node": 2,
-        "nodes": ["n1", "n2"],
-        "spare_nodes": ["n3"],
-        "min_nodes": 2,
-        "entrypoint": TINY_ENTRYPOINT,
-        "target_step": 60,
-        "checkpoint": {"root": str(root), "interval": "10 steps"},
-    }
-    return RunSpec.model_validate(base | overrides)
+    """The tests' tiny run (harness/tiny.py), 60 steps."""
+    return tiny_spec(root, **({"name": "history", "target_step": 60} | overrides))
 
 
 async def until(handle: WorkflowHandle, ready: Callable[[RunStatus], bool], timeout: float = 120.0) -> RunStatus:

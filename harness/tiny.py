@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.status import CheckpointRecord
 from stayalive.training.checkpoint import DCP_METADATA, read_dcp_manifest
 from stayalive.training.dcp_load import load_dcp_metadata, load_dcp_tensors
@@ -24,6 +25,22 @@ TINY_ENTRYPOINT = [
     "--device-ms",
     "15",
 ]
+
+
+def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
+    """4 ranks of the tiny GPT on n1 and n2: a real run that finishes in seconds on two cores."""
+    spec: dict[str, object] = {
+        "name": "tiny",
+        "world_size": 4,
+        "ranks_per_node": 2,
+        "nodes": ["n1", "n2"],
+        "spare_nodes": ["n3"],
+        "min_nodes": 2,  # keep the width: results compare bitwise with a run of the same world size
+        "entrypoint": TINY_ENTRYPOINT,
+        "target_step": 40,
+        "checkpoint": {"root": str(checkpoint_root), "interval": "10 steps"},
+    }
+    return RunSpec.model_validate(spec | overrides)
 
 
 REFERENCE_STEPS = 60  # the length of the reference run (tests/e2e/conftest.py) that interrupted runs compare with

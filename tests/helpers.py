@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import itertools
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,12 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client, WorkflowHandle
 
 from harness.records import RecordCollector, hubs, read_records, step_reports
-from harness.tiny import TINY_ENTRYPOINT
+from harness.tiny import tiny_spec as tiny_spec  # the tests' spec, shared with harness/histories.py
 from stayalive.core.fleet.model import FleetNode
 from stayalive.core.protocol.telemetry import RankStarted
 from stayalive.core.run.lifecycle import RunState
 from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.status import RunStatus
+from stayalive.workers.secret import SECRET_ENV
 from stayalive.workflows.fleet import FleetWorkflow, fleet_handle
 from stayalive.workflows.run import RunWorkflow
 
@@ -39,22 +41,6 @@ def holding_the_host(lock: Path, alone: bool) -> Iterator[None]:
     with lock.open("a") as file:  # closing it releases the lock
         fcntl.flock(file, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         yield
-
-
-def tiny_spec(checkpoint_root: Path, **overrides: object) -> RunSpec:
-    """4 ranks of the tiny GPT on n1 and n2: a real run that finishes in seconds on two cores."""
-    spec: dict[str, object] = {
-        "name": "tiny",
-        "world_size": 4,
-        "ranks_per_node": 2,
-        "nodes": ["n1", "n2"],
-        "spare_nodes": ["n3"],
-        "min_nodes": 2,  # keep the width: results compare bitwise with a run of the same world size
-        "entrypoint": TINY_ENTRYPOINT,
-        "target_step": 40,
-        "checkpoint": {"root": str(checkpoint_root), "interval": "10 steps"},
-    }
-    return RunSpec.model_validate(spec | overrides)
 
 
 def workflow_id(prefix: str) -> str:
@@ -213,3 +199,18 @@ def steps_judged(metrics_url: str, run: str) -> float:
         for sample in family.samples
         if sample.name.endswith("_count") and sample.labels["run_id"] == run
     )
+
+
+@contextlib.contextmanager
+def secret_named(path: Path) -> Iterator[None]:
+    """The environment names `path` as the fleet's secret while a module's own stack runs: the
+    helpers that read its agents' records find it there, as with the session's stack."""
+    before = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = before

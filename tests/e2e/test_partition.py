@@ -24,10 +24,10 @@ from stayalive.core.run.spec import RunSpec
 from stayalive.core.run.timeline import Cause
 from stayalive.workers.devstack import DevStack, free_port
 from stayalive.workers.netns import Partitionable, usable
-from stayalive.workers.secret import SECRET_ENV, create_secret
+from stayalive.workers.secret import create_secret
 from stayalive.workers.temporal import connect, plain
 from stayalive.workflows.run import RunWorkflow
-from tests.helpers import ROOT, rank_pids, start, tiny_spec, wait_for_step, wait_until
+from tests.helpers import ROOT, rank_pids, secret_named, start, tiny_spec, wait_for_step, wait_until
 
 pytestmark = pytest.mark.skipif(usable() is not None, reason=f"a real partition: {usable()}")
 
@@ -62,7 +62,6 @@ async def partitionable_stack(tmp_path: Path, net: Partitionable) -> AsyncIterat
         ip=net.host_ip,
         interface=net.host_if,
     )
-    before = os.environ.get(SECRET_ENV)
     try:
         create_secret(dev.secret_file)
         dev.start_temporal()
@@ -70,15 +69,11 @@ async def partitionable_stack(tmp_path: Path, net: Partitionable) -> AsyncIterat
         dev.start_agent("n1")
         dev.start_agent("n2", netns=net)
         dev.start_agent("n3")
-        os.environ[SECRET_ENV] = str(dev.secret_file)
-        await dev.ready()
-        yield dev, await connect(plain(dev.address))
+        with secret_named(dev.secret_file):
+            await dev.ready()
+            yield dev, await connect(plain(dev.address))
     finally:
         dev.stop()
-        if before is None:
-            os.environ.pop(SECRET_ENV, None)
-        else:
-            os.environ[SECRET_ENV] = before
 
 
 def partition_spec(checkpoint_root: Path) -> RunSpec:

@@ -8,7 +8,6 @@ twice."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,9 +18,8 @@ from temporalio.client import Client
 from harness.records import RecordCollector, step_reports
 from stayalive.core.run.lifecycle import RunState
 from stayalive.workers.devstack import DevStack, free_port
-from stayalive.workers.secret import SECRET_ENV
 from stayalive.workers.temporal import connect, plain
-from tests.helpers import ROOT, start, steps_judged, tiny_spec
+from tests.helpers import ROOT, secret_named, start, steps_judged, tiny_spec
 
 SUGGESTED_AT = 60  # history events: a launch and a few checkpoints' verdicts
 TARGET = 600
@@ -50,18 +48,13 @@ async def suggesting_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIte
         workdir=ROOT,
         temporal_flags=["--dynamic-config-value", f"limit.historyCount.suggestContinueAsNew={SUGGESTED_AT}"],
     )
-    before = os.environ.get(SECRET_ENV)
     try:
         dev.start()
-        os.environ[SECRET_ENV] = str(dev.secret_file)  # the record collector reads the agents with it
-        await dev.ready()
-        yield dev, await connect(plain(dev.address))
+        with secret_named(dev.secret_file):  # the record collector reads the agents with it
+            await dev.ready()
+            yield dev, await connect(plain(dev.address))
     finally:
         dev.stop()
-        if before is None:
-            os.environ.pop(SECRET_ENV, None)
-        else:
-            os.environ[SECRET_ENV] = before
 
 
 async def test_a_healthy_generation_continues_as_new_while_its_ranks_train_on(
